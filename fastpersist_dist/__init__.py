@@ -1,0 +1,26 @@
+"""fastpersist-dist: a DeepSpeed DeepNVMe (FastPersist) backend for megatron-core dist_checkpointing.
+
+Importing the package registers the ('fastpersist', 1) save and load strategies.
+"""
+
+from .config import WriteConfig
+from .errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
+from .format import BACKEND, BACKEND_VERSION
+from .registry import register
+from .strategies.fastpersist_load import FastPersistLoadStrategy
+from .strategies.fastpersist_save import FastPersistSaveStrategy
+
+register()
+
+__all__ = [
+    "BACKEND",
+    "BACKEND_VERSION",
+    "CorruptCheckpointError",
+    "FastPersistError",
+    "FastPersistLoadStrategy",
+    "FastPersistSaveStrategy",
+    "IncompleteCheckpointError",
+    "SaveFailedError",
+    "WriteConfig",
+    "register",
+]

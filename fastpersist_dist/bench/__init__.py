@@ -1,0 +1,1 @@
+"""Benchmark of FastPersist against megatron torch_dist."""

@@ -1,0 +1,41 @@
+"""Block checksums: XXH3-64 over fixed-size blocks of each shard's bytes.
+
+Blocks (default 4 MiB) let a resharding load that reads part of a shard verify
+exactly the blocks it reads. XXH3 runs at about 12 GiB/s on one core here, well
+above the storage bandwidth, so computing it while bytes stream costs little.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import numpy as np
+import xxhash
+
+ALGORITHM = "xxh3_64"
+DEFAULT_BLOCK_BYTES = 4 << 20
+
+Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
+
+
+def digest_bytes(data: Buffer) -> str:
+    """16-digit lowercase hex XXH3-64 (seed 0) of ``data``."""
+    return f"{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+def block_checksums(data: np.ndarray, block_bytes: int) -> list[str]:
+    """Checksums of consecutive ``block_bytes`` blocks of a 1-D uint8 array (last may be short)."""
+    mv = memoryview(data)
+    return [digest_bytes(mv[i : i + block_bytes]) for i in range(0, len(mv), block_bytes)]
+
+
+def first_bad_block(data: np.ndarray, expected: tuple[str, ...], block_bytes: int) -> int:
+    """Index (within ``expected``) of the first block of ``data`` whose checksum differs, or -1.
+
+    ``data`` must start on a block boundary and hold ``len(expected)`` blocks.
+    """
+    mv = memoryview(data)
+    for i, want in enumerate(expected):
+        if digest_bytes(mv[i * block_bytes : (i + 1) * block_bytes]) != want:
+            return i
+    return -1

@@ -1,0 +1,289 @@
+"""The on-disk format: file names, dtype names, shard records and the index.
+
+A checkpoint directory holds, next to megatron's own ``metadata.json`` and
+``common.pt``:
+
+* ``fastpersist_r<rank>.bin`` -- one data file per writing rank: the raw bytes of
+  every shard that rank owns, concatenated, C order, little endian, no header.
+* ``fastpersist_index.json`` -- written last, atomically, by rank 0. Without it
+  the directory is an incomplete checkpoint.
+
+The index is plain JSON (see README "On-disk format"): no pickle is needed to
+find, read or verify a tensor. Everything here is pure: no I/O, no
+``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Optional, Union
+
+import torch
+
+from .checksum import ALGORITHM, digest_bytes
+from .errors import CorruptCheckpointError, FastPersistError
+
+BACKEND = "fastpersist"
+BACKEND_VERSION = 1
+FORMAT_VERSION = 1
+INDEX_FILE = "fastpersist_index.json"
+DATA_FILE_RE = re.compile(r"^fastpersist_r(\d{5,})\.bin$")
+STATUS_FILE_RE = re.compile(r"^\.fastpersist_r(\d{5,})\.status\.json$")
+KIND_TENSOR = "tensor"
+KIND_OBJECT = "object"
+
+ReplicaId = Union[int, tuple[int, ...]]
+
+
+def data_file_name(rank: int) -> str:
+    """Name of the data file written by ``rank``."""
+    return f"fastpersist_r{rank:05d}.bin"
+
+
+def status_file_name(rank: int) -> str:
+    """Name of the per-rank status file handed from the writer to finalize."""
+    return f".fastpersist_r{rank:05d}.status.json"
+
+
+def _dtype_table() -> dict[str, torch.dtype]:
+    names = [
+        "float64", "float32", "float16", "bfloat16",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+        "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
+        "bool", "complex64", "complex128",
+    ]
+    return {n: getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)}
+
+
+DTYPE_BY_NAME: dict[str, torch.dtype] = _dtype_table()
+NAME_BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in DTYPE_BY_NAME.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Format name of a torch dtype; raises for dtypes the format cannot store."""
+    try:
+        return NAME_BY_DTYPE[dtype]
+    except KeyError:
+        raise FastPersistError(
+            f"dtype {dtype} is not supported; supported: {sorted(DTYPE_BY_NAME)}"
+        ) from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Torch dtype of a format dtype name."""
+    try:
+        return DTYPE_BY_NAME[name]
+    except (KeyError, TypeError):
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in index") from None
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a format dtype name."""
+    return dtype_from_name(name).itemsize
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One stored shard: which part of which global tensor (or object), and where its bytes are.
+
+    ``flattened_range`` (start, stop), when set, says the record holds only those
+    elements of the C-order flattening of ``local_shape``.
+    """
+
+    key: str
+    kind: str
+    dtype: Optional[str]
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    axis_fragmentations: Optional[tuple[int, ...]]
+    prepend_axis_num: int
+    flattened_range: Optional[tuple[int, int]]
+    replica_id: ReplicaId
+    file: str
+    offset: int
+    length: int
+    checksums: tuple[str, ...] = field(default=())
+
+    @property
+    def numel(self) -> int:
+        """Elements stored in this record."""
+        if self.flattened_range is not None:
+            return self.flattened_range[1] - self.flattened_range[0]
+        return math.prod(self.local_shape)
+
+    def describe(self) -> str:
+        """Short human description used in error messages."""
+        return f"'{self.key}' (global offset {self.global_offset}, {self.file} bytes {self.offset}+{self.length})"
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """Everything a reader needs: per-file sizes and every shard record."""
+
+    world_size: int
+    checksum_block_bytes: int
+    files: dict[str, int]
+    records: tuple[ShardRecord, ...]
+    checksum_algorithm: str = ALGORITHM
+    format_version: int = FORMAT_VERSION
+
+    def to_json_bytes(self) -> bytes:
+        """Serialize with a checksum over the canonical body, so a flipped bit is caught."""
+        body = {
+            "format": BACKEND,
+            "format_version": self.format_version,
+            "world_size": self.world_size,
+            "checksum_algorithm": self.checksum_algorithm,
+            "checksum_block_bytes": self.checksum_block_bytes,
+            "files": dict(sorted(self.files.items())),
+            "records": [record_to_json(r) for r in self.records],
+        }
+        return json.dumps(
+            {"body_xxh3_64": digest_bytes(_canonical(body)), "body": body}, indent=1
+        ).encode()
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes, where: str) -> "CheckpointIndex":
+        """Parse and fully validate an index; every problem raises CorruptCheckpointError."""
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptCheckpointError(f"{where}: index is not valid JSON: {e}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
+            raise CorruptCheckpointError(f"{where}: index has no 'body' object")
+        body = doc["body"]
+        if digest_bytes(_canonical(body)) != doc.get("body_xxh3_64"):
+            raise CorruptCheckpointError(f"{where}: index checksum mismatch (the index file is damaged)")
+        if body.get("format") != BACKEND:
+            raise CorruptCheckpointError(f"{where}: not a {BACKEND} index (format={body.get('format')!r})")
+        version = body.get("format_version")
+        if version != FORMAT_VERSION:
+            raise FastPersistError(
+                f"{where}: format version {version!r} is not supported by this reader "
+                f"(supports {FORMAT_VERSION}); upgrade fastpersist-dist"
+            )
+        if body.get("checksum_algorithm") != ALGORITHM:
+            raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
+        block = _int(body.get("checksum_block_bytes"), "checksum_block_bytes", where, minimum=1)
+        files = body.get("files")
+        if not isinstance(files, dict):
+            raise CorruptCheckpointError(f"{where}: 'files' must be an object")
+        for name, size in files.items():
+            check_file_name(name, where)
+            _int(size, f"size of {name}", where)
+        raw_records = body.get("records")
+        if not isinstance(raw_records, list):
+            raise CorruptCheckpointError(f"{where}: 'records' must be a list")
+        records = tuple(record_from_json(r, where, files, block) for r in raw_records)
+        return cls(
+            world_size=_int(body.get("world_size"), "world_size", where, minimum=1),
+            checksum_block_bytes=block,
+            files=dict(files),
+            records=records,
+        )
+
+
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def check_file_name(name: Any, where: str) -> None:
+    """Only our own data file names are accepted: no paths, no '..', no NUL."""
+    if not isinstance(name, str) or not DATA_FILE_RE.match(name):
+        raise CorruptCheckpointError(f"{where}: illegal data file name {name!r}")
+
+
+def record_to_json(r: ShardRecord) -> dict:
+    """JSON object for one record (tuples become lists)."""
+    d = asdict(r)
+    d["checksums"] = list(r.checksums)
+    return d
+
+
+def _int(value: Any, what: str, where: str, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value >= 2**62:
+        raise CorruptCheckpointError(f"{where}: {what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _int_tuple(value: Any, what: str, where: str, minimum: int = 0) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > 64:
+        raise CorruptCheckpointError(f"{where}: {what} must be a list of integers, got {value!r}")
+    return tuple(_int(v, what, where, minimum) for v in value)
+
+
+def record_from_json(d: Any, where: str, files: dict[str, int], block: int) -> ShardRecord:
+    """Validate one record against the format's invariants and the file sizes."""
+    if not isinstance(d, dict):
+        raise CorruptCheckpointError(f"{where}: record is not an object: {d!r}")
+    key = d.get("key")
+    if not isinstance(key, str) or not key or "\x00" in key:
+        raise CorruptCheckpointError(f"{where}: record key must be a non-empty string without NUL, got {key!r}")
+    at = f"{where}: record '{key}'"
+    kind = d.get("kind")
+    if kind not in (KIND_TENSOR, KIND_OBJECT):
+        raise CorruptCheckpointError(f"{at}: unknown kind {kind!r}")
+    file = d.get("file")
+    check_file_name(file, at)
+    if file not in files:
+        raise CorruptCheckpointError(f"{at}: file {file} is not listed in the index")
+    offset = _int(d.get("offset"), "offset", at)
+    length = _int(d.get("length"), "length", at)
+    if offset + length > files[file]:
+        raise CorruptCheckpointError(
+            f"{at}: bytes {offset}+{length} lie past the end of {file} ({files[file]} bytes)"
+        )
+    global_shape = _int_tuple(d.get("global_shape"), "global_shape", at)
+    global_offset = _int_tuple(d.get("global_offset"), "global_offset", at)
+    local_shape = _int_tuple(d.get("local_shape"), "local_shape", at)
+    prepend = _int(d.get("prepend_axis_num"), "prepend_axis_num", at)
+    frags = d.get("axis_fragmentations")
+    frags = None if frags is None else _int_tuple(frags, "axis_fragmentations", at, minimum=1)
+    rid = d.get("replica_id")
+    replica_id = _int_tuple(rid, "replica_id", at) if isinstance(rid, list) else _int(rid, "replica_id", at)
+    if len(global_shape) != len(global_offset):
+        raise CorruptCheckpointError(f"{at}: global_shape and global_offset differ in length")
+    fr = d.get("flattened_range")
+    flattened_range = None if fr is None else _int_tuple(fr, "flattened_range", at)
+    checksums = d.get("checksums")
+    if not isinstance(checksums, list) or not all(isinstance(c, str) and len(c) == 16 for c in checksums):
+        raise CorruptCheckpointError(f"{at}: checksums must be a list of 16-digit hex strings")
+    if len(checksums) != -(-length // block):
+        raise CorruptCheckpointError(
+            f"{at}: {len(checksums)} checksums for {length} bytes in blocks of {block}"
+        )
+    dtype = d.get("dtype")
+    if kind == KIND_TENSOR:
+        size = itemsize(dtype)
+        if len(local_shape) + prepend != len(global_shape):
+            raise CorruptCheckpointError(f"{at}: local_shape {local_shape} + {prepend} prepended axes != rank of global_shape {global_shape}")
+        box = (1,) * prepend + local_shape
+        for off, n, g in zip(global_offset, box, global_shape):
+            if off + n > g:
+                raise CorruptCheckpointError(f"{at}: shard {global_offset}+{box} exceeds global shape {global_shape}")
+        numel = math.prod(local_shape)
+        if flattened_range is not None:
+            if len(flattened_range) != 2 or not flattened_range[0] <= flattened_range[1] <= numel:
+                raise CorruptCheckpointError(f"{at}: flattened_range {flattened_range} outside 0..{numel}")
+            numel = flattened_range[1] - flattened_range[0]
+        if numel * size != length:
+            raise CorruptCheckpointError(
+                f"{at}: {numel} elements of {dtype} need {numel * size} bytes, index says {length}"
+            )
+    elif dtype is not None or flattened_range is not None:
+        raise CorruptCheckpointError(f"{at}: object records carry no dtype or flattened_range")
+    return ShardRecord(
+        key=key, kind=kind, dtype=dtype, local_shape=local_shape, global_shape=global_shape,
+        global_offset=global_offset, axis_fragmentations=frags, prepend_axis_num=prepend,
+        flattened_range=flattened_range, replica_id=replica_id, file=file, offset=offset,
+        length=length, checksums=tuple(checksums),
+    )
+
+
+def with_checksums(record: ShardRecord, checksums: list[str]) -> ShardRecord:
+    """The record once its bytes have been streamed and checksummed."""
+    return replace(record, checksums=tuple(checksums))

@@ -1,0 +1,1 @@
+"""How bytes move: DeepSpeed aio writes and verified reads."""

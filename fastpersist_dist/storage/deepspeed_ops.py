@@ -1,0 +1,106 @@
+"""Access to DeepSpeed's native ops: the ``async_io`` handle and the ``utils`` op.
+
+Two DeepSpeed 0.19 traps are handled here, once:
+
+* On a CPU-only torch the accelerator maps ``UtilsBuilder`` to
+  ``NotImplementedBuilder``, so ``FastFileWriter()`` raises. The generic
+  ``deepspeed.ops.op_builder.utils.UtilsBuilder`` builds on any host, so we
+  rebind the name FastFileWriter looks up to it, and only in that case.
+* An aio handle created before ``fork`` hangs in the child: handles and their
+  locked bounce buffers are cached per process id, so a forked writer always
+  makes its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_AIO_MODULE: Optional[Any] = None
+_AIO_ERROR: Optional[str] = None
+
+
+def aio_module() -> Any:
+    """The built ``async_io`` extension (built on first use: minutes; prebuilt by scripts/setup.sh)."""
+    global _AIO_MODULE, _AIO_ERROR
+    if _AIO_MODULE is None and _AIO_ERROR is None:
+        try:
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            _AIO_MODULE = AsyncIOBuilder().load(verbose=False)
+        except Exception as e:  # noqa: BLE001 - any build/load failure means "no aio"
+            _AIO_ERROR = f"{type(e).__name__}: {e}"
+    if _AIO_MODULE is None:
+        raise RuntimeError(f"DeepSpeed async_io op unavailable ({_AIO_ERROR}); is libaio-dev installed?")
+    return _AIO_MODULE
+
+
+def aio_available() -> bool:
+    """Whether the ``async_io`` op can be loaded in this environment."""
+    try:
+        aio_module()
+        return True
+    except RuntimeError:
+        return False
+
+
+def ensure_fast_file_writer_usable() -> None:
+    """Make ``deepspeed.io.FastFileWriter`` constructible on CPU-only torch (see module doc)."""
+    from deepspeed.io import fast_file_writer
+    from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder
+
+    current = fast_file_writer.UtilsBuilder
+    if isinstance(current, type) and issubclass(current, NotImplementedBuilder):
+        from deepspeed.ops.op_builder.utils import UtilsBuilder
+
+        fast_file_writer.UtilsBuilder = UtilsBuilder
+        logger.debug("FastFileWriter: using the generic UtilsBuilder (accelerator has none)")
+    fast_file_writer.UtilsBuilder().load(verbose=False)
+
+
+@dataclass(frozen=True)
+class AioSettings:
+    """Parameters of one aio handle and its bounce buffer."""
+
+    block_size: int
+    queue_depth: int
+    intra_op_parallelism: int
+    buffer_bytes: int
+
+
+class AioResources:
+    """An aio handle and its page-locked bounce buffer, owned by one process."""
+
+    def __init__(self, settings: AioSettings):
+        mod = aio_module()
+        self.settings = settings
+        self.handle = mod.aio_handle(
+            settings.block_size, settings.queue_depth, False, True, settings.intra_op_parallelism
+        )
+        align = self.handle.get_alignment()
+        # The double buffer needs each half aligned.
+        size = max(2 * align, settings.buffer_bytes // (2 * align) * (2 * align))
+        self.buffer = self.handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+
+
+_RESOURCES: dict[tuple[int, AioSettings], AioResources] = {}
+# Handles inherited over fork: kept referenced forever, since destroying one in the
+# child would join worker threads that do not exist there.
+_INHERITED: list[AioResources] = []
+
+
+def aio_resources(settings: AioSettings) -> AioResources:
+    """This process's aio handle + bounce buffer for ``settings``, created on first use."""
+    key = (os.getpid(), settings)
+    res = _RESOURCES.get(key)
+    if res is None:
+        for stale in [k for k in _RESOURCES if k[0] != os.getpid()]:
+            _INHERITED.append(_RESOURCES.pop(stale))
+        res = _RESOURCES[key] = AioResources(settings)
+    return res

@@ -1,0 +1,166 @@
+"""Reading parts of stored shards into destination tensors, verifying checksums.
+
+Plain ``pread`` into the destination (or a small staging buffer) is used: it
+needs no native op, so a checkpoint loads anywhere. Only the bytes a request
+needs are read; with verification on, reads widen to whole checksum blocks and
+every block read is checked before its bytes are used.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..checksum import first_bad_block
+from ..errors import CorruptCheckpointError
+from ..format import CheckpointIndex, ShardRecord, dtype_from_name
+from ..layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs, flat_range_to_boxes
+
+# Gaps up to this size between needed runs are read through rather than skipped.
+MAX_READ_GAP = 256 << 10
+# Staging buffers larger than this are avoided by splitting the request.
+MAX_STAGING_BYTES = 256 << 20
+
+
+class ShardReader:
+    """Reads from the data files of one checkpoint; keeps files open until ``close``."""
+
+    def __init__(self, checkpoint_dir: str, index: CheckpointIndex, verify: bool, rank: int):
+        self.dir = checkpoint_dir
+        self.index = index
+        self.verify = verify
+        self.rank = rank
+        self._fds: dict[str, int] = {}
+
+    def close(self) -> None:
+        """Close every file opened so far."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is None:
+            path = os.path.join(self.dir, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"rank {self.rank}: data file {path} listed in the index is missing"
+                ) from None
+            size = os.fstat(fd).st_size
+            if size != self.index.files[name]:
+                os.close(fd)
+                raise CorruptCheckpointError(
+                    f"rank {self.rank}: {path} has {size} bytes, the index says {self.index.files[name]} "
+                    "(truncated or replaced file)"
+                )
+            self._fds[name] = fd
+        return fd
+
+    def _pread(self, record: ShardRecord, into: torch.Tensor, rel: int) -> None:
+        """Fill the 1-D uint8 CPU tensor ``into`` with record bytes from ``rel`` on."""
+        fd = self._fd(record.file)
+        view = memoryview(into.numpy())
+        pos = record.offset + rel
+        while view:
+            n = os.preadv(fd, [view], pos)
+            if n == 0:
+                raise CorruptCheckpointError(
+                    f"rank {self.rank}: unexpected end of {record.file} at byte {pos} while reading {record.describe()}"
+                )
+            view, pos = view[n:], pos + n
+
+    def _check(self, record: ShardRecord, data: torch.Tensor, rel: int) -> None:
+        """Verify the whole blocks held in ``data``, which starts at block-aligned ``rel``."""
+        if not self.verify:
+            return
+        block = self.index.checksum_block_bytes
+        first = rel // block
+        count = -(-data.numel() // block)
+        bad = first_bad_block(data.numpy(), record.checksums[first : first + count], block)
+        if bad >= 0:
+            at = record.offset + (first + bad) * block
+            raise CorruptCheckpointError(
+                f"rank {self.rank}: checksum mismatch in {os.path.join(self.dir, record.file)} at byte "
+                f"offset {at} (block {first + bad} of {record.describe()}): the checkpoint is corrupt"
+            )
+
+    def read_object(self, record: ShardRecord) -> bytes:
+        """All bytes of an object record, verified."""
+        data = torch.empty(record.length, dtype=torch.uint8)
+        self._pread(record, data, 0)
+        self._check(record, data, 0)
+        return data.numpy().tobytes()
+
+    def read_box(self, record: ShardRecord, extent: Extent, sub_off: Shape, sub_shape: Shape, dest: torch.Tensor) -> None:
+        """Copy the sub-box (in ``extent`` coordinates) of a stored extent into ``dest`` (same shape)."""
+        size = dtype_from_name(record.dtype).itemsize
+        strides = c_strides(extent.shape)
+        first = sum(o * s for o, s in zip(sub_off, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(sub_off, sub_shape, strides))
+        span = (last + 1 - first) * size
+        if span > MAX_STAGING_BYTES and _split_axis(sub_shape) is not None:
+            axis = _split_axis(sub_shape)
+            half = sub_shape[axis] // 2
+            for lo, n in ((0, half), (half, sub_shape[axis] - half)):
+                off = tuple(o + lo if i == axis else o for i, o in enumerate(sub_off))
+                shp = tuple(n if i == axis else s for i, s in enumerate(sub_shape))
+                self.read_box(record, extent, off, shp, dest.narrow(axis, lo, n))
+            return
+        starts, run = contiguous_runs(extent.shape, sub_off, sub_shape)
+        base = extent.byte_start
+        ranges = coalesce(starts * size + base, run * size, MAX_READ_GAP)
+        if self.verify:
+            ranges = blocks_touched(ranges, self.index.checksum_block_bytes, record.length)
+        saved_dtype = dtype_from_name(record.dtype)
+        direct = _direct_target(dest, saved_dtype)
+        # Straight into the destination only when the sub-box is one run read exactly.
+        if direct is not None and len(starts) == 1 and ranges == [(base + first * size, base + (last + 1) * size)]:
+            self._pread(record, direct, ranges[0][0])
+            self._check(record, direct, ranges[0][0])
+            return
+        lo = ranges[0][0]
+        staging = torch.empty(ranges[-1][1] - lo, dtype=torch.uint8)
+        for a, b in ranges:
+            piece = staging[a - lo : b - lo]
+            self._pread(record, piece, a)
+            self._check(record, piece, a)
+        elements = staging.view(saved_dtype)
+        src = torch.as_strided(elements, sub_shape, strides, (base - lo) // size + first)
+        dest.copy_(src)
+
+
+def _split_axis(shape: Shape) -> Optional[int]:
+    for axis, n in enumerate(shape):
+        if n > 1:
+            return axis
+    return None
+
+
+def _direct_target(dest: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A uint8 view of ``dest``'s bytes if bytes can be read straight into it."""
+    if dest.device.type != "cpu" or dest.dtype != dtype or not dest.is_contiguous():
+        return None
+    return dest.reshape(-1).view(torch.uint8)
+
+
+def record_extents(record: ShardRecord) -> list[Extent]:
+    """The contiguous boxes (global coordinates) a tensor record holds."""
+    box = (1,) * record.prepend_axis_num + record.local_shape
+    if record.flattened_range is None:
+        return [Extent(record.global_offset, box, 0)]
+    size = dtype_from_name(record.dtype).itemsize
+    start, stop = record.flattened_range
+    return [
+        Extent(tuple(g + o for g, o in zip(record.global_offset, off)), shape, (fs - start) * size)
+        for off, shape, fs in flat_range_to_boxes(box, start, stop)
+    ]

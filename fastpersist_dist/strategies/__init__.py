@@ -1,0 +1,1 @@
+"""Megatron-core strategy adapters."""

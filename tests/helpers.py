@@ -1,0 +1,89 @@
+"""Deterministic global tensors, their shards, and save/load calls used inside rank functions."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+
+from fastpersist_dist import FastPersistSaveStrategy
+
+Split = Union[None, int, str, tuple[int, ...]]
+
+
+def global_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, salt: int = 0) -> torch.Tensor:
+    """The same pseudo-random tensor on every rank for a given key/shape/dtype/salt."""
+    g = torch.Generator().manual_seed(zlib.crc32(key.encode()) + salt)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 4).to(dtype)
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
+    return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes of a tensor, for exact comparison (NaN-safe, dtype-agnostic)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape), (what, a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(bits(a), bits(b)), f"{what}: values differ"
+
+
+def shard_of(full: torch.Tensor, rank: int, world: int, split: Split) -> tuple[torch.Tensor, list, int]:
+    """(local tensor, rank_offsets, replica_id) of ``rank`` for a split of ``full``.
+
+    split: None replicated; int axis split evenly; "grid" a 2 x (world/2) grid over axes 0 and 1;
+    a tuple of row counts: uneven split of axis 0 (handled by :func:`sharded`).
+    """
+    if split is None:
+        return full.clone(), [], rank
+    if split == "grid":
+        rows, cols = 2, world // 2
+        r, c = divmod(rank, cols)
+        local = full.chunk(rows, 0)[r].chunk(cols, 1)[c]
+        return local.clone(), [(0, r, rows), (1, c, cols)], 0
+    assert isinstance(split, int)
+    return full.chunk(world, split)[rank].clone(), [(split, rank, world)], 0
+
+
+def sharded(key: str, full: torch.Tensor, rank: int, world: int, split: Split) -> ShardedTensor:
+    """ShardedTensor of ``rank``'s part of ``full``."""
+    if isinstance(split, tuple):
+        start = sum(split[:rank])
+        local = full[start : start + split[rank]].clone()
+        return ShardedTensor(
+            key, local, local.dtype, tuple(local.shape), tuple(full.shape),
+            (start,) + (0,) * (full.dim() - 1), None, 0,
+        )
+    local, offsets, replica = shard_of(full, rank, world, split)
+    return ShardedTensor.from_rank_offsets(key, local, *offsets, replica_id=replica)
+
+
+def empty_like_request(sh: ShardedTensor) -> ShardedTensor:
+    """The same request with fresh, garbage-filled data (so a missed byte shows)."""
+    data = torch.full_like(sh.data, 7) if sh.data.dtype != torch.bool else torch.zeros_like(sh.data)
+    return ShardedTensor(
+        sh.key, data, sh.dtype, sh.local_shape, sh.global_shape, sh.global_offset,
+        sh.axis_fragmentations, sh.replica_id, sh.prepend_axis_num,
+    )
+
+
+def make_dir(path: str) -> None:
+    """megatron's save() needs the directory to exist on every rank."""
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+
+
+def save(sd: dict, path: str, strategy: Optional[object] = None, **knobs: object) -> None:
+    make_dir(path)
+    dist_checkpointing.save(sd, path, sharded_strategy=strategy or FastPersistSaveStrategy(**knobs))
