@@ -19,10 +19,14 @@ def _build_ops(_: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from .bench.baselines import CONTENDERS
     from .bench.runner import BenchConfig, main_bench
 
     if args.ranks % args.tp:
         raise SystemExit(f"bench: --ranks ({args.ranks}) must be a multiple of --tp ({args.tp})")
+    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
+    if unknown:
+        raise SystemExit(f"bench: unknown contenders {sorted(unknown)}; known: {sorted(CONTENDERS)}")
     cfg = BenchConfig(
         ranks=args.ranks, tp=args.tp, gib=args.gib, reps=args.reps, directory=args.dir,
         contenders=tuple(args.contenders.split(",")), keep=args.keep,

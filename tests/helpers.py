@@ -84,6 +84,8 @@ def make_dir(path: str) -> None:
     dist.barrier()
 
 
-def save(sd: dict, path: str, strategy: Optional[object] = None, **knobs: object) -> None:
+def save(sd: dict, path: str, strategy: Optional[object] = None, validate: bool = True, **knobs: object) -> None:
     make_dir(path)
-    dist_checkpointing.save(sd, path, sharded_strategy=strategy or FastPersistSaveStrategy(**knobs))
+    dist_checkpointing.save(
+        sd, path, sharded_strategy=strategy or FastPersistSaveStrategy(**knobs), validate_access_integrity=validate
+    )

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .baselines import CONTENDERS, SHIM_NOTE
 from .gpt_state import GptShape, gpt_sharded_state_dict
 
 GiB = 2**30
@@ -64,18 +65,6 @@ def drop_page_cache(directory: str) -> None:
                 os.close(fd)
 
 
-def _save_fn(name: str) -> Callable[[dict, str], None]:
-    from megatron.core import dist_checkpointing
-
-    from .. import FastPersistSaveStrategy
-
-    if name == "fastpersist":
-        return lambda sd, d: dist_checkpointing.save(sd, d, sharded_strategy=FastPersistSaveStrategy())
-    if name == "torch_dist":
-        return lambda sd, d: dist_checkpointing.save(sd, d, sharded_strategy=("torch_dist", 1))
-    raise ValueError(f"unknown contender {name!r}")
-
-
 def _timed(fn: Callable[[], Any]) -> float:
     dist.barrier()
     start = time.perf_counter()
@@ -91,8 +80,6 @@ def _check(loaded: dict, expected: dict) -> None:
 
 
 def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
-    from megatron.core import dist_checkpointing
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, timeout=datetime.timedelta(minutes=30))
@@ -101,7 +88,7 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
         expected = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True)
         results = []
         for name in cfg.contenders:
-            save = _save_fn(name)
+            save, load = CONTENDERS[name]
             res = Result(name)
             for rep in range(cfg.reps):
                 ckpt = os.path.join(cfg.directory, f"{name}-{rep}")
@@ -113,7 +100,7 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
                     drop_page_cache(ckpt)
                 template = {k: _blank(v) for k, v in expected.items()}
                 holder: dict = {}
-                res.load_s.append(_timed(lambda: holder.update(dist_checkpointing.load(template, ckpt))))
+                res.load_s.append(_timed(lambda: holder.update(load(template, ckpt))))
                 _check(holder, expected)
                 dist.barrier()
                 if rank == 0 and not (cfg.keep and rep == cfg.reps - 1):
@@ -179,8 +166,9 @@ def report(cfg: BenchConfig, shape: GptShape, results: list[Result]) -> dict:
     for row in rows:
         for op in ("save", "load"):
             row[op]["x_torch_dist"] = base[op]["median_s"] / row[op]["median_s"] if base else None
+    notes = [SHIM_NOTE] if "torch_dist" in cfg.contenders and not torch.cuda.is_available() else []
     return {"config": asdict(cfg), "bytes": nbytes, "hidden": shape.hidden, "layers": shape.layers,
-            "load_cache": "dropped (posix_fadvise DONTNEED)", "results": rows}
+            "load_cache": "dropped (posix_fadvise DONTNEED)", "results": rows, "notes": notes}
 
 
 def format_table(rep: dict) -> str:
@@ -200,6 +188,7 @@ def format_table(rep: dict) -> str:
             cells.append(f"{o['gib_s']:>10.2f}")
             cells.append(f"{ratio:>12}")
         lines.append(" ".join(cells))
+    lines.extend(f"note: {n}" for n in rep["notes"])
     return "\n".join(lines)
 
 

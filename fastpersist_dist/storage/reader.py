@@ -22,6 +22,9 @@ from ..layout import Extent, Shape, blocks_touched, c_strides, coalesce, contigu
 MAX_READ_GAP = 256 << 10
 # Staging buffers larger than this are avoided by splitting the request.
 MAX_STAGING_BYTES = 256 << 20
+# One pread of at most this much: cold buffered reads ran at 1.4 GiB/s in 8 MiB
+# calls here, 0.7 GiB/s in 64 MiB calls and 0.44 GiB/s in one 1 GiB call.
+READ_CALL_BYTES = 8 << 20
 
 
 class ShardReader:
@@ -72,7 +75,7 @@ class ShardReader:
         view = memoryview(into.numpy())
         pos = record.offset + rel
         while view:
-            n = os.preadv(fd, [view], pos)
+            n = os.preadv(fd, [view[:READ_CALL_BYTES]], pos)
             if n == 0:
                 raise CorruptCheckpointError(
                     f"rank {self.rank}: unexpected end of {record.file} at byte {pos} while reading {record.describe()}"

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 MODE_DIRECT = "direct"
 MODE_BUFFERED = "buffered"
-_warned: set[str] = set()
+_warned: set[object] = set()
 
 
 class _Sink(Protocol):
@@ -89,9 +89,10 @@ class _BufferedSink:
             self._file.close()
 
 
-def _warn_once(reason: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
+def _warn_once(key: object, reason: str) -> None:
+    """One warning per cause (and per filesystem), not one per save."""
+    if key not in _warned:
+        _warned.add(key)
         logger.warning("fastpersist: falling back to buffered writes: %s", reason)
 
 
@@ -103,14 +104,15 @@ def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
     except RuntimeError as e:
         if cfg.direct_io == "on":
             raise FastPersistError(f"direct_io='on' but {e}") from e
-        _warn_once(str(e))
+        _warn_once("no-aio", str(e))
         return _BufferedSink(path)
     try:
         return _DirectSink(path, cfg)
     except OSError as e:
         if e.errno != errno.EINVAL or cfg.direct_io == "on":
             raise
-        _warn_once(f"the filesystem of {os.path.dirname(path) or '.'} refuses O_DIRECT ({e.strerror})")
+        directory = os.path.dirname(path) or "."
+        _warn_once(("no-o-direct", os.stat(directory).st_dev), f"the filesystem of {directory} refuses O_DIRECT ({e.strerror})")
         return _BufferedSink(path)
 
 
