@@ -2,8 +2,8 @@
 
 Every contender saves the same state dict from the same ranks into a fresh
 directory under the same target, durably (fsync), and then loads it back
-resharded (tensor-parallel splits moved to the other axis), checking every
-loaded value. Before each load the page cache of the checkpoint files is
+twice, with the same sharding and resharded (tensor-parallel splits moved to
+the other axis), checking every loaded value. Before each load the page cache of the checkpoint files is
 dropped with posix_fadvise(DONTNEED), so loads read from the device.
 """
 
@@ -30,6 +30,7 @@ from .baselines import CONTENDERS, SHIM_NOTE
 from .gpt_state import GptShape, gpt_sharded_state_dict
 
 GiB = 2**30
+OPS = ("save", "load", "reshard")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Result:
     name: str
     save_s: list[float] = field(default_factory=list)
     load_s: list[float] = field(default_factory=list)
+    reshard_s: list[float] = field(default_factory=list)
 
 
 def drop_page_cache(directory: str) -> None:
@@ -85,7 +87,7 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, timeout=datetime.timedelta(minutes=30))
         shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
         sd = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks)
-        expected = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True)
+        resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True)
         results = []
         for name in cfg.contenders:
             save, load = CONTENDERS[name]
@@ -96,12 +98,13 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
                     shutil.rmtree(ckpt, ignore_errors=True)
                     os.makedirs(ckpt)
                 res.save_s.append(_timed(lambda: save(sd, ckpt)))
-                if rank == 0:
-                    drop_page_cache(ckpt)
-                template = {k: _blank(v) for k, v in expected.items()}
-                holder: dict = {}
-                res.load_s.append(_timed(lambda: holder.update(load(template, ckpt))))
-                _check(holder, expected)
+                for times, expected in ((res.load_s, sd), (res.reshard_s, resharded)):
+                    if rank == 0:
+                        drop_page_cache(ckpt)
+                    template = {k: _blank(v) for k, v in expected.items()}
+                    holder: dict = {}
+                    times.append(_timed(lambda: holder.update(load(template, ckpt))))
+                    _check(holder, expected)
                 dist.barrier()
                 if rank == 0 and not (cfg.keep and rep == cfg.reps - 1):
                     shutil.rmtree(ckpt, ignore_errors=True)
@@ -158,13 +161,13 @@ def report(cfg: BenchConfig, shape: GptShape, results: list[Result]) -> dict:
     rows = []
     for res in results:
         row: dict[str, Any] = {"name": res.name}
-        for op, times in (("save", res.save_s), ("load", res.load_s)):
+        for op, times in (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s)):
             med = statistics.median(times)
             row[op] = {"median_s": med, "min_s": min(times), "max_s": max(times), "gib_s": nbytes / GiB / med}
         rows.append(row)
     base = next((r for r in rows if r["name"] == "torch_dist"), None)
     for row in rows:
-        for op in ("save", "load"):
+        for op in OPS:
             row[op]["x_torch_dist"] = base[op]["median_s"] / row[op]["median_s"] if base else None
     notes = [SHIM_NOTE] if "torch_dist" in cfg.contenders and not torch.cuda.is_available() else []
     return {"config": asdict(cfg), "bytes": nbytes, "hidden": shape.hidden, "layers": shape.layers,
@@ -176,18 +179,18 @@ def format_table(rep: dict) -> str:
     lines = [
         f"state: {rep['bytes'] / GiB:.2f} GiB (GPT hidden={rep['hidden']}, layers={rep['layers']}), "
         f"{rep['config']['ranks']} ranks, TP={rep['config']['tp']}, median of {rep['config']['reps']} "
-        f"(min..max); saves fsynced; loads resharded, page cache {rep['load_cache']}",
-        f"{'contender':<12} {'save s':>20} {'save GiB/s':>10} {'x torch_dist':>12} {'load s':>20} {'load GiB/s':>10} {'x torch_dist':>12}",
+        f"(min..max); saves fsynced; 'load' same sharding, 'reshard' TP splits moved to the other axis; "
+        f"page cache {rep['load_cache']}",
+        "".join([f"{'contender':<12}"] + [f" {op + ' s':>20} {'GiB/s':>6} {'x t_dist':>8}" for op in OPS]),
     ]
     for r in rep["results"]:
         cells = [f"{r['name']:<12}"]
-        for op in ("save", "load"):
+        for op in OPS:
             o = r[op]
             ratio = "" if o["x_torch_dist"] is None else f"{o['x_torch_dist']:.2f}x"
-            cells.append(f"{o['median_s']:>7.2f} ({o['min_s']:.2f}..{o['max_s']:.2f})".rjust(20))
-            cells.append(f"{o['gib_s']:>10.2f}")
-            cells.append(f"{ratio:>12}")
-        lines.append(" ".join(cells))
+            cells.append(f" {o['median_s']:>7.2f} ({o['min_s']:.2f}..{o['max_s']:.2f})".rjust(21))
+            cells.append(f" {o['gib_s']:>6.2f} {ratio:>8}")
+        lines.append("".join(cells))
     lines.extend(f"note: {n}" for n in rep["notes"])
     return "\n".join(lines)
 

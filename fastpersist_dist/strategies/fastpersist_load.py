@@ -73,7 +73,7 @@ class _Loader:
         dest = sh.data
         if not isinstance(dest, torch.Tensor) or tuple(dest.shape) != tuple(sh.local_shape):
             dest = torch.empty(sh.local_shape, dtype=sh.dtype)
-        box_dest = dest
+        box_dest = dest.detach()  # loads in place, also into parameters that require grad
         for _ in range(sh.prepend_axis_num):
             box_dest = box_dest.unsqueeze(0)
         req_off = tuple(sh.global_offset)

@@ -1,0 +1,101 @@
+"""The index format and the planner: pure, no I/O."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastpersist_dist.checksum import digest_bytes
+from fastpersist_dist.errors import CorruptCheckpointError, FastPersistError
+from fastpersist_dist.format import CheckpointIndex, ShardRecord, _canonical, data_file_name
+from fastpersist_dist.plan import coverage_errors, place_in_rank_file
+
+
+def rec(key="w", offset=(0, 0), local=(2, 3), glob=(4, 3), file=None, off=0, dtype="float32", **kw):
+    length = kw.pop("length", 2 * 3 * 4 if dtype == "float32" else 12)
+    return ShardRecord(
+        key=key, kind=kw.pop("kind", "tensor"), dtype=dtype, local_shape=local, global_shape=glob,
+        global_offset=offset, axis_fragmentations=None, prepend_axis_num=0, flattened_range=kw.pop("fr", None),
+        replica_id=0, file=file or data_file_name(0), offset=off, length=length, checksums=("0" * 16,) * (length > 0),
+    )
+
+
+def index(*records: ShardRecord) -> CheckpointIndex:
+    files: dict[str, int] = {}
+    for r in records:
+        files[r.file] = max(files.get(r.file, 0), r.offset + r.length)
+    return CheckpointIndex(world_size=1, checksum_block_bytes=4 << 20, files=files, records=records)
+
+
+def test_index_round_trip():
+    idx = index(rec(), rec(offset=(2, 0), off=24))
+    assert CheckpointIndex.from_json_bytes(idx.to_json_bytes(), "t") == idx
+
+
+def _mutated(mutate) -> bytes:
+    doc = json.loads(index(rec()).to_json_bytes())
+    mutate(doc["body"])
+    doc["body_xxh3_64"] = digest_bytes(_canonical(doc["body"]))  # a consistent but hostile index
+    return json.dumps(doc).encode()
+
+
+def _set(path: str, value: object):
+    def mutate(body: dict) -> None:
+        target = body
+        *parents, last = path.split(".")
+        for p in parents:
+            target = target[int(p)] if p.isdigit() else target[p]
+        target[last] = value
+    return mutate
+
+
+@pytest.mark.parametrize(
+    "mutate,needle",
+    [
+        (_set("format_version", 2), "format version 2 is not supported"),
+        (_set("format", "other"), "not a fastpersist index"),
+        (_set("records.0.file", "../../etc/passwd"), "illegal data file name"),
+        (_set("records.0.file", "/abs/fastpersist_r00000.bin"), "illegal data file name"),
+        (_set("records.0.file", "fastpersist_r00000.bin\x00"), "illegal data file name"),
+        (_set("records.0.key", "a\x00b"), "without NUL"),
+        (_set("records.0.offset", 10), "past the end of"),
+        (_set("records.0.offset", -1), "offset must be an integer >= 0"),
+        (_set("records.0.length", 2**70), "length must be an integer"),
+        (_set("records.0.dtype", "float128"), "unknown dtype"),
+        (_set("records.0.local_shape", [1, 3]), "need 12 bytes, index says 24"),
+        (_set("records.0.global_offset", [3, 0]), "exceeds global shape"),
+        (_set("records.0.checksums", []), "0 checksums for 24 bytes"),
+        (_set("records.0.flattened_range", [2, 9]), "flattened_range (2, 9) outside 0..6"),
+        (_set("records.0.kind", "pickle"), "unknown kind"),
+        (_set("files", {"fastpersist_r00001.bin": 24}), "is not listed in the index"),
+        (_set("checksum_block_bytes", 0), "checksum_block_bytes must be an integer >= 1"),
+    ],
+)
+def test_hostile_index_is_refused(mutate, needle):
+    with pytest.raises(FastPersistError) as info:
+        CheckpointIndex.from_json_bytes(_mutated(mutate), "idx")
+    assert needle in str(info.value)
+
+
+def test_damaged_bytes_are_refused():
+    good = index(rec()).to_json_bytes()
+    with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
+        CheckpointIndex.from_json_bytes(good[:-5], "idx")
+    flipped = good.replace(b'"offset": 0', b'"offset": 8')
+    with pytest.raises(CorruptCheckpointError, match="index checksum mismatch"):
+        CheckpointIndex.from_json_bytes(flipped, "idx")
+
+
+def test_place_in_rank_file_is_back_to_back():
+    placed = place_in_rank_file([rec(length=24), rec(key="b", length=0), rec(key="c", length=12, dtype="int32")], 3)
+    assert [(r.file, r.offset) for r in placed] == [(data_file_name(3), 0), (data_file_name(3), 24), (data_file_name(3), 24)]
+
+
+def test_coverage_errors():
+    assert coverage_errors([rec(), rec(offset=(2, 0))]) == []
+    assert "cover 6 of 12" in coverage_errors([rec()])[0]
+    assert "overlap" in coverage_errors([rec(), rec(offset=(1, 0)), rec(offset=(2, 0))])[0]
+    assert "disagree on the global shape" in coverage_errors([rec(), rec(offset=(2, 0), glob=(4, 4), local=(2, 3))])[0]
+    obj = rec(kind="object", dtype=None, local=(), glob=(2,), offset=(0,), length=5)
+    assert "more than one rank" in coverage_errors([obj, obj])[0]
