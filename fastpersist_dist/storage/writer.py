@@ -157,6 +157,7 @@ def write_rank_file(
             logger.debug("closing %s after a failed write also failed", path, exc_info=True)
         raise
     sink.close()
+    os.chmod(path, 0o644)  # FastFileWriter creates files with mode 0o777 (minus umask)
     size = os.stat(path).st_size
     if size != expected:
         raise FastPersistError(

@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy
 from ..commit import read_index
 from ..errors import FastPersistError
 from ..format import BACKEND, BACKEND_VERSION, KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, dtype_from_name
-from ..layout import intersect
+from ..layout import Extent, intersect
 from ..storage.reader import ShardReader, record_extents
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ class _Loader:
             else:
                 self.objects[(r.key, r.global_offset)] = r
         self.nbytes = 0
+        # Reads are planned per request, then run in file order (see run()).
+        self.reads: list[tuple[ShardRecord, Extent, tuple[int, ...], tuple[int, ...], torch.Tensor]] = []
 
     def load(self, item: Any) -> Any:
         if isinstance(item, ShardedTensor):
@@ -86,7 +88,7 @@ class _Loader:
                     continue
                 off, shape = inter
                 view = box_dest[tuple(slice(o - r, o - r + n) for o, r, n in zip(off, req_off, shape))]
-                self.reader.read_box(rec, ext, tuple(o - e for o, e in zip(off, ext.offset)), shape, view)
+                self.reads.append((rec, ext, tuple(o - e for o, e in zip(off, ext.offset)), shape, view))
                 covered += math.prod(shape)
         wanted = intersect(req_off, req_shape, (0,) * len(saved_shape), saved_shape)
         expected = 0 if wanted is None else math.prod(wanted[1])
@@ -95,6 +97,13 @@ class _Loader:
             raise FastPersistError(f"{where}: {covered} of {expected} elements found ({kind})")
         self.nbytes += covered * dtype_from_name(records[0].dtype).itemsize
         return dest
+
+    def run(self) -> None:
+        """Execute the planned reads sorted by file and offset: sequential I/O, whatever the dict order."""
+        self.reads.sort(key=lambda r: (r[0].file, r[0].offset + r[1].byte_start))
+        for rec, ext, sub_off, shape, view in self.reads:
+            self.reader.read_box(rec, ext, sub_off, shape, view)
+        self.reads.clear()
 
     def load_object(self, sh: ShardedObject) -> Any:
         rec = self.objects.get((sh.key, tuple(sh.global_offset)))
@@ -154,6 +163,7 @@ class FastPersistLoadStrategy(LoadShardedStrategy):
         with ShardReader(str(checkpoint_dir), index, self.verify_checksums, rank) as reader:
             loader = _Loader(index, reader, self.trust_objects)
             dict_list_map_inplace(loader.load, sharded_state_dict)
+            loader.run()
         seconds = time.perf_counter() - start
         logger.info(
             "fastpersist: rank %d loaded %.3f GiB from %s in %.2f s (%.2f GiB/s, checksums %s)",
