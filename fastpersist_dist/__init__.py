@@ -3,6 +3,7 @@
 Importing the package registers the ('fastpersist', 1) save and load strategies.
 """
 
+from .async_queue import AsyncSaveQueue
 from .config import WriteConfig
 from .errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
 from .format import BACKEND, BACKEND_VERSION
@@ -13,6 +14,7 @@ from .strategies.fastpersist_save import FastPersistSaveStrategy
 register()
 
 __all__ = [
+    "AsyncSaveQueue",
     "BACKEND",
     "BACKEND_VERSION",
     "CorruptCheckpointError",

@@ -58,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--gib", type=_positive_float, default=2.0, help="total state size in GiB (default 2)")
     b.add_argument("--reps", type=_positive_int, default=3, help="repetitions per contender (default 3)")
     b.add_argument("--dir", default="bench_out", help="target directory (default ./bench_out)")
-    b.add_argument("--contenders", default="fastpersist,torch_dist", help="comma-separated list")
+    b.add_argument("--contenders", default="fastpersist,fastpersist_async,torch_dist", help="comma-separated list")
     b.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     b.add_argument("--keep", action="store_true", help="keep the last checkpoint of each contender")
     b.set_defaults(func=_bench)

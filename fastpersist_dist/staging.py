@@ -11,8 +11,9 @@ objects; tensor data never goes this way).
 from __future__ import annotations
 
 import io
+import mmap
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -51,12 +52,8 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def stage_tensor(sh: ShardedTensor, rank: int, snapshot: bool) -> StagedShard:
-    """Validate a ShardedTensor and expose its bytes as a host uint8 tensor.
-
-    With ``snapshot`` the bytes are a private copy, so the caller may modify
-    the tensor as soon as this returns.
-    """
+def _tensor_record(sh: ShardedTensor, rank: int) -> ShardRecord:
+    """Validate a ShardedTensor and describe it (not yet placed in a file)."""
     data = sh.data
     if not isinstance(data, torch.Tensor):
         raise FastPersistError(
@@ -66,20 +63,21 @@ def stage_tensor(sh: ShardedTensor, rank: int, snapshot: bool) -> StagedShard:
         name = dtype_name(data.dtype)
     except FastPersistError as e:
         raise FastPersistError(f"rank {rank}: ShardedTensor '{sh.key}': {e}") from None
-    host = data.detach()
-    if host.device.type != "cpu":
-        host = host.to("cpu")
-    host = host.contiguous()
-    if snapshot and host.untyped_storage().data_ptr() == data.untyped_storage().data_ptr():
-        host = host.clone()
-    record = ShardRecord(
+    return ShardRecord(
         key=sh.key, kind=KIND_TENSOR, dtype=name, local_shape=tuple(sh.local_shape),
         global_shape=tuple(sh.global_shape), global_offset=tuple(sh.global_offset),
         axis_fragmentations=None if sh.axis_fragmentations is None else tuple(sh.axis_fragmentations),
         prepend_axis_num=sh.prepend_axis_num, flattened_range=None, replica_id=_replica(sh.replica_id),
-        file="", offset=0, length=host.numel() * host.element_size(),
+        file="", offset=0, length=data.numel() * data.element_size(),
     )
-    return StagedShard(record, tensor_bytes(host))
+
+
+def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """Host bytes of ``tensor`` for a synchronous write: no copy for contiguous CPU tensors."""
+    host = tensor.detach()
+    if host.device.type != "cpu":
+        host = host.to("cpu")
+    return tensor_bytes(host.contiguous())
 
 
 def stage_object(sh: ShardedObject, rank: int) -> StagedShard:
@@ -98,9 +96,77 @@ def stage_object(sh: ShardedObject, rank: int) -> StagedShard:
     return StagedShard(record, payload)
 
 
-def stage(sharded_state_dict: dict, rank: int, snapshot: bool) -> list[StagedShard]:
-    """Stage every main replica of ``sharded_state_dict``; raises on the first invalid one."""
+def stage(sharded_state_dict: dict, rank: int) -> list[StagedShard]:
+    """Validate and describe every main replica; raises on the first invalid one.
+
+    Objects are serialized now; tensors keep their source tensor as ``data``
+    until :func:`to_host_bytes` (synchronous save) or :meth:`SnapshotPool.snapshot`
+    (asynchronous save) turns it into host bytes.
+    """
     return [
-        stage_tensor(sh, rank, snapshot) if isinstance(sh, ShardedTensor) else stage_object(sh, rank)
+        StagedShard(_tensor_record(sh, rank), sh.data) if isinstance(sh, ShardedTensor) else stage_object(sh, rank)
         for sh in main_replicas(sharded_state_dict)
     ]
+
+
+def to_host_bytes(staged: list[StagedShard]) -> None:
+    """Point every tensor shard at host bytes, copying only what is not contiguous host memory."""
+    for s in staged:
+        if s.record.kind == KIND_TENSOR:
+            s.data = _host_bytes(s.data)
+
+
+Lease = tuple[tuple, torch.Tensor]
+
+
+class SnapshotPool:
+    """Host buffers for async snapshots, reused across saves of the same structure.
+
+    One buffer holds every tensor of a save, back to back (64-byte aligned). When
+    a save's request is finalized its buffer returns here and the next save of the
+    same structure reuses it; a save issued before that gets a buffer of its own.
+    Peak extra host memory is therefore (saves in flight) x (bytes of this rank's
+    main-replica tensors). A buffer for another structure is dropped.
+    """
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._free: Optional[Lease] = None
+
+    def snapshot(self, staged: list[StagedShard]) -> Lease:
+        """Copy each tensor shard into a buffer; ``data`` becomes the buffer's bytes.
+
+        Returns the lease to :meth:`release` once the bytes are written.
+        """
+        tensors = [s for s in staged if s.record.kind == KIND_TENSOR]
+        signature = tuple((s.record.key, s.record.global_offset, s.record.length) for s in tensors)
+        offsets, total = [], 0
+        for s in tensors:
+            offsets.append(total)
+            total += -(-s.record.length // self.ALIGN) * self.ALIGN
+        on_device = any(s.data.device.type != "cpu" for s in tensors)
+        buffer = self._acquire(signature, total, pinned=on_device)
+        for s, off in zip(tensors, offsets):
+            dest = buffer[off : off + s.record.length]
+            if s.record.length:
+                dest.view(s.data.dtype).view(s.data.shape).copy_(s.data.detach(), non_blocking=on_device)
+            s.data = dest
+        if on_device:
+            torch.accelerator.synchronize()
+        return signature, buffer
+
+    def release(self, lease: Lease) -> None:
+        """Take back a buffer whose bytes are written (called at finalize)."""
+        self._free = lease
+
+    def _acquire(self, signature: tuple, total: int, pinned: bool) -> torch.Tensor:
+        free, self._free = self._free, None
+        if free is not None and free[0] == signature:
+            return free[1]
+        if pinned:  # accelerator sources: device-to-host copies need page-locked memory to be async
+            return torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        # Host sources: an anonymous MAP_SHARED mapping. Forking the writer leaves it
+        # writable in the trainer, so the next snapshot copies at memcpy speed instead of
+        # taking a copy-on-write fault per page (measured here: 13 vs 4 GiB/s).
+        return torch.frombuffer(mmap.mmap(-1, max(total, 1)), dtype=torch.uint8)[:total]

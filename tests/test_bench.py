@@ -21,7 +21,8 @@ def test_bench_command_tiny(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [r["name"] for r in report["results"]] == ["fastpersist", "torch_dist"]
+    assert [r["name"] for r in report["results"]] == ["fastpersist", "fastpersist_async", "torch_dist"]
+    assert report["results"][1]["blocking"]["median_s"] > 0
     assert "fastpersist" in proc.stdout and "x t_dist" in proc.stdout
     assert not list((tmp_path / "b").iterdir())  # checkpoints removed unless --keep
 

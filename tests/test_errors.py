@@ -24,7 +24,7 @@ from fastpersist_dist import (
 )
 from fastpersist_dist.format import INDEX_FILE, CheckpointIndex, data_file_name
 
-from .helpers import assert_same, empty_like_request, global_tensor, save, sharded
+from .helpers import assert_same, global_tensor, save, sharded
 from .multiproc import run_ranks
 
 
@@ -233,10 +233,10 @@ def test_version_and_backend_checks(tmp_path):
 
 def test_unsafe_objects_need_trust(tmp_path):
     path = str(tmp_path / "ckpt")
-    run_ranks(1, _save_object, path, lambda: None)
+    run_ranks(1, _save_object, path)
 
 
-def _save_object(rank: int, world: int, path: str, value: object) -> None:
+def _save_object(rank: int, world: int, path: str) -> None:
     save({"o": ShardedObject("o", {"fn": os.getcwd, "n": 1}, (1,), (0,))}, path)
     template = {"o": ShardedObject("o", None, (1,), (0,))}
     with pytest.raises(FastPersistError, match="trust_objects=True"):
@@ -246,4 +246,3 @@ def _save_object(rank: int, world: int, path: str, value: object) -> None:
     req = ShardedTensor.from_rank_offsets("missing", torch.zeros(2))
     with pytest.raises(FastPersistError, match="rank 0: tensor 'missing' .* is not in checkpoint"):
         dist_checkpointing.load({"x": req}, path, validate_access_integrity=False)
-    del value

@@ -42,7 +42,7 @@ class BenchConfig:
     gib: float = 2.0
     reps: int = 3
     directory: str = "bench_out"
-    contenders: tuple[str, ...] = ("fastpersist", "torch_dist")
+    contenders: tuple[str, ...] = ("fastpersist", "fastpersist_async", "torch_dist")
     keep: bool = False
 
 
@@ -54,6 +54,7 @@ class Result:
     save_s: list[float] = field(default_factory=list)
     load_s: list[float] = field(default_factory=list)
     reshard_s: list[float] = field(default_factory=list)
+    blocking_s: list[float] = field(default_factory=list)
 
 
 def drop_page_cache(directory: str) -> None:
@@ -73,6 +74,12 @@ def _timed(fn: Callable[[], Any]) -> float:
     fn()
     dist.barrier()
     return time.perf_counter() - start
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def _check(loaded: dict, expected: dict) -> None:
@@ -97,7 +104,10 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
                 if rank == 0:
                     shutil.rmtree(ckpt, ignore_errors=True)
                     os.makedirs(ckpt)
-                res.save_s.append(_timed(lambda: save(sd, ckpt)))
+                blocked: list = []
+                res.save_s.append(_timed(lambda: blocked.append(save(sd, ckpt))))
+                if blocked[0] is not None:
+                    res.blocking_s.append(_max_over_ranks(blocked[0]))
                 for times, expected in ((res.load_s, sd), (res.reshard_s, resharded)):
                     if rank == 0:
                         drop_page_cache(ckpt)
@@ -161,7 +171,10 @@ def report(cfg: BenchConfig, shape: GptShape, results: list[Result]) -> dict:
     rows = []
     for res in results:
         row: dict[str, Any] = {"name": res.name}
-        for op, times in (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s)):
+        for op, times in (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s),
+                          ("blocking", res.blocking_s)):
+            if not times:
+                continue
             med = statistics.median(times)
             row[op] = {"median_s": med, "min_s": min(times), "max_s": max(times), "gib_s": nbytes / GiB / med}
         rows.append(row)
@@ -169,6 +182,10 @@ def report(cfg: BenchConfig, shape: GptShape, results: list[Result]) -> dict:
     for row in rows:
         for op in OPS:
             row[op]["x_torch_dist"] = base[op]["median_s"] / row[op]["median_s"] if base else None
+    sync = next((r for r in rows if r["name"] == "fastpersist"), None)
+    for row in rows:
+        if "blocking" in row and sync:
+            row["blocking"]["pct_of_sync_save"] = 100 * row["blocking"]["median_s"] / sync["save"]["median_s"]
     notes = [SHIM_NOTE] if "torch_dist" in cfg.contenders and not torch.cuda.is_available() else []
     return {"config": asdict(cfg), "bytes": nbytes, "hidden": shape.hidden, "layers": shape.layers,
             "load_cache": "dropped (posix_fadvise DONTNEED)", "results": rows, "notes": notes}
@@ -181,16 +198,25 @@ def format_table(rep: dict) -> str:
         f"{rep['config']['ranks']} ranks, TP={rep['config']['tp']}, median of {rep['config']['reps']} "
         f"(min..max); saves fsynced; 'load' same sharding, 'reshard' TP splits moved to the other axis; "
         f"page cache {rep['load_cache']}",
-        "".join([f"{'contender':<12}"] + [f" {op + ' s':>20} {'GiB/s':>6} {'x t_dist':>8}" for op in OPS]),
+        "".join([f"{'contender':<18}"] + [f" {op + ' s':>20} {'GiB/s':>6} {'x t_dist':>8}" for op in OPS]),
     ]
     for r in rep["results"]:
-        cells = [f"{r['name']:<12}"]
+        cells = [f"{r['name']:<18}"]
         for op in OPS:
             o = r[op]
             ratio = "" if o["x_torch_dist"] is None else f"{o['x_torch_dist']:.2f}x"
             cells.append(f" {o['median_s']:>7.2f} ({o['min_s']:.2f}..{o['max_s']:.2f})".rjust(21))
             cells.append(f" {o['gib_s']:>6.2f} {ratio:>8}")
         lines.append("".join(cells))
+    for r in rep["results"]:
+        if "blocking" in r:
+            b = r["blocking"]
+            pct = f" = {b['pct_of_sync_save']:.0f}% of the synchronous save" if "pct_of_sync_save" in b else ""
+            lines.append(
+                f"{r['name']}: the save call blocked {b['median_s']:.3f} s ({b['min_s']:.3f}..{b['max_s']:.3f}){pct}; "
+                f"durable after {r['save']['median_s']:.2f} s; extra host memory: one snapshot of each rank's "
+                f"share, {rep['bytes'] / rep['config']['ranks'] / GiB:.2f} GiB per rank on average, reused across saves"
+            )
     lines.extend(f"note: {n}" for n in rep["notes"])
     return "\n".join(lines)
 

@@ -22,7 +22,7 @@ from ..checksum import block_checksums
 from ..config import MiB, WriteConfig
 from ..errors import FastPersistError
 from ..format import ShardRecord, with_checksums
-from .deepspeed_ops import aio_module, aio_resources, ensure_fast_file_writer_usable
+from .deepspeed_ops import aio_available, aio_module, aio_resources, ensure_fast_file_writer_usable
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,16 @@ def _warn_once(key: object, reason: str) -> None:
         logger.warning("fastpersist: falling back to buffered writes: %s", reason)
 
 
+def preload_ops(cfg: WriteConfig) -> None:
+    """Load the native ops here, so that a writer forked from this process inherits them.
+
+    Loading takes seconds and a file lock under ~/.cache/torch_extensions; only
+    the aio *handle* must be made by the writer itself.
+    """
+    if cfg.direct_io != "off" and aio_available():
+        ensure_fast_file_writer_usable()
+
+
 def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
     if cfg.direct_io == "off":
         return _BufferedSink(path)
@@ -140,23 +150,29 @@ def write_rank_file(
     expected = sum(r.length for r, _ in shards)
     if os.path.lexists(path):
         os.unlink(path)  # FastFileWriter opens without O_TRUNC: old bytes would survive.
-    sink = _open_sink(path, cfg)
+    try:
+        sink = _open_sink(path, cfg)
+    except OSError as e:
+        raise FastPersistError(f"rank {rank}: cannot open {path} for writing: {e}") from e
     out: list[ShardRecord] = []
     try:
         for record, data in shards:
+            where = f"writing {record.describe()}"
             sums: list[str] = []
             for pos in range(0, record.length, chunk):
                 piece = data[pos : pos + chunk]
                 sums.extend(block_checksums(piece.numpy(), block))
                 sink.write(piece)
             out.append(with_checksums(record, sums))
-    except BaseException:
-        try:
-            sink.close()
-        except Exception:  # noqa: BLE001 - the first error is the one to report
-            logger.debug("closing %s after a failed write also failed", path, exc_info=True)
-        raise
-    sink.close()
+        where = "flushing and fsyncing"
+        sink.close()
+    except Exception as e:
+        if where != "flushing and fsyncing":
+            try:
+                sink.close()
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                logger.debug("closing %s after a failed write also failed", path, exc_info=True)
+        raise FastPersistError(f"rank {rank}: {where} in {path} failed: {type(e).__name__}: {e}") from e
     os.chmod(path, 0o644)  # FastFileWriter creates files with mode 0o777 (minus umask)
     size = os.stat(path).st_size
     if size != expected:

@@ -1,0 +1,180 @@
+"""Asynchronous saves: the call returns after staging, the state may change at once, commit at finalize."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+
+import pytest
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+
+from fastpersist_dist import FastPersistSaveStrategy, SaveFailedError
+from fastpersist_dist.async_queue import AsyncSaveQueue
+from fastpersist_dist.format import INDEX_FILE
+
+from .helpers import assert_same, global_tensor, make_dir, sharded
+from .multiproc import run_ranks
+
+
+def state(rank: int, world: int) -> dict:
+    big = global_tensor("base", (16 * world, 64))
+    return {
+        "w": sharded("w", global_tensor("w", (8 * world, 300)), rank, world, 0),
+        "b": sharded("b", global_tensor("b", (4, 6 * world), torch.bfloat16), rank, world, 1),
+        "view": ShardedTensor.from_rank_offsets("view", big[16 * rank : 16 * rank + 16, ::2], (0, rank, world)),
+        "rep": ShardedTensor.from_rank_offsets("rep", global_tensor("rep", (5,), torch.int64), replica_id=rank),
+    }
+
+
+def mutate(sd: dict, step: int) -> None:
+    for sh in sd.values():
+        sh.data.add_(step + 1) if sh.data.dtype != torch.bool else sh.data.logical_not_()
+
+
+def snapshot(sd: dict) -> dict:
+    return {k: sh.data.clone() for k, sh in sd.items()}
+
+
+def load_and_compare(sd: dict, want: dict, path: str) -> None:
+    template = {
+        k: ShardedTensor(sh.key, torch.zeros_like(sh.data.contiguous()), sh.dtype, sh.local_shape, sh.global_shape,
+                         sh.global_offset, sh.axis_fragmentations, sh.replica_id, sh.prepend_axis_num)
+        for k, sh in sd.items()
+    }
+    loaded = dist_checkpointing.load(template, path)
+    for k in want:
+        assert_same(loaded[k], want[k].contiguous(), f"{path}:{k}")
+
+
+def async_save(sd: dict, path: str, strategy: FastPersistSaveStrategy):
+    make_dir(path)
+    return dist_checkpointing.save(sd, path, sharded_strategy=strategy, async_sharded_save=True)
+
+
+def _mutate_right_after_save(rank: int, world: int, root: str) -> None:
+    sd = state(rank, world)
+    before = snapshot(sd)
+    queue = AsyncSaveQueue()
+    queue.schedule(async_save(sd, f"{root}/c", FastPersistSaveStrategy()))
+    mutate(sd, 0)  # training goes on at once
+    assert not os.path.exists(f"{root}/c/metadata.json") and not os.path.exists(f"{root}/c/{INDEX_FILE}")
+    assert queue.maybe_finalize(blocking=True) == [1]
+    load_and_compare(sd, before, f"{root}/c")
+
+
+def test_checkpoint_holds_state_at_save_call(tmp_path):
+    for world in (2, 4):
+        run_ranks(world, _mutate_right_after_save, str(tmp_path / f"w{world}"))
+
+
+def _three_in_a_row(rank: int, world: int, root: str) -> list[bool]:
+    sd = state(rank, world)
+    strategy = FastPersistSaveStrategy()
+    queue = AsyncSaveQueue()
+    expected, buffers = [], []
+    for step in range(3):
+        expected.append(snapshot(sd))
+        request = async_save(sd, f"{root}/step{step}", strategy)
+        buffers.append(request.finalize_fns[0].args[0][1].data_ptr())  # the snapshot buffer leased
+        queue.schedule(request)
+        mutate(sd, step)
+        if step == 0:
+            queue.maybe_finalize(blocking=True)  # step 1 then reuses step 0's buffer
+        else:
+            queue.maybe_finalize(blocking=False)  # step 2 may start while step 1 still writes
+    queue.close()
+    assert queue.pending == 0
+    for step in range(3):
+        load_and_compare(sd, expected[step], f"{root}/step{step}")
+    return [buffers[1] == buffers[0]]
+
+
+def test_three_consecutive_async_checkpoints(tmp_path):
+    for reused in run_ranks(2, _three_in_a_row, str(tmp_path)):
+        assert reused == [True]
+
+
+def _background_write_fails(rank: int, world: int, root: str) -> str:
+    sd = state(rank, world)
+    good = snapshot(sd)
+    queue = AsyncSaveQueue()
+    strategy = FastPersistSaveStrategy()
+    queue.schedule(async_save(sd, f"{root}/good", strategy))
+    queue.close()
+    if rank == 1:  # the forked writer inherits the limit: its writes fail with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+    queue.schedule(async_save(sd, f"{root}/bad", strategy))
+    with pytest.raises(SaveFailedError) as info:
+        queue.maybe_finalize(blocking=True)
+    if rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert queue.pending == 0
+    load_and_compare(sd, good, f"{root}/good")  # the previous checkpoint is untouched
+    return str(info.value)
+
+
+def test_background_write_error_surfaces_at_finalize_on_all_ranks(tmp_path):
+    messages = run_ranks(2, _background_write_fails, str(tmp_path))
+    for m in messages:
+        assert "was NOT saved" in m and "rank 1:" in m and "fastpersist_r00001.bin" in m, m
+    assert not os.path.exists(tmp_path / "bad" / "metadata.json")
+    assert not os.path.exists(tmp_path / "bad" / INDEX_FILE)
+
+
+def _megatron_queue(rank: int, world: int, root: str) -> None:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    sd = state(rank, world)
+    before = snapshot(sd)
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(async_save(sd, f"{root}/m", FastPersistSaveStrategy()))
+    mutate(sd, 0)
+    queue.maybe_finalize_async_calls(blocking=True)
+    load_and_compare(sd, before, f"{root}/m")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron 0.16's AsyncCallsQueue calls torch.cuda unconditionally")
+def test_megatron_async_calls_queue(tmp_path):
+    run_ranks(2, _megatron_queue, str(tmp_path))
+
+
+def _parallel_work_then_async_save(rank: int, world: int, root: str) -> None:
+    torch.set_num_threads(2)
+    torch.ones(1 << 24).mul_(2).sum()  # the trainer's OpenMP pool is up when the writer forks
+    big = global_tensor("big", (32 * world, 1 << 19))  # 64 MiB per rank: copied in parallel chunks
+    sd = {"big": sharded("big", big, rank, world, 0)}
+    before = snapshot(sd)
+    queue = AsyncSaveQueue()
+    queue.schedule(async_save(sd, f"{root}/c", FastPersistSaveStrategy()))
+    mutate(sd, 0)
+    queue.close()
+    load_and_compare(sd, before, f"{root}/c")
+
+
+def test_forked_writer_does_not_deadlock_after_parallel_work(tmp_path):
+    run_ranks(2, _parallel_work_then_async_save, str(tmp_path), timeout=240)
+
+
+def _same_directory_twice(rank: int, world: int, root: str) -> str:
+    sd = state(rank, world)
+    before = snapshot(sd)
+    strategy = FastPersistSaveStrategy()
+    queue = AsyncSaveQueue()
+    queue.schedule(async_save(sd, f"{root}/c", strategy))
+    mutate(sd, 0)
+    with pytest.raises(SaveFailedError) as info:
+        async_save(sd, f"{root}/c", strategy)  # would interleave with the running writer
+    queue.close()
+    load_and_compare(sd, before, f"{root}/c")  # the first save is intact
+    queue.schedule(async_save(sd, f"{root}/c", strategy))  # once finalized, the directory is free again
+    queue.close()
+    return str(info.value)
+
+
+def test_second_save_into_a_directory_still_being_written_is_refused(tmp_path):
+    for m in run_ranks(2, _same_directory_twice, str(tmp_path)):
+        assert "still being written by an earlier async save" in m and "data files were not touched" in m, m
