@@ -1,4 +1,8 @@
-"""The ``fastpersist-dist`` command: ``bench`` and ``build-ops``."""
+"""The ``fastpersist-dist`` command: ``bench``, ``verify`` and ``build-ops``.
+
+Exit codes: 0 success, 1 the checkpoint has problems, 2 bad arguments or an
+unusable directory.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +38,25 @@ def _bench(args: argparse.Namespace) -> int:
     return main_bench(cfg, args.json)
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from .errors import FastPersistError
+    from .verify import verify_checkpoint
+
+    try:
+        report = verify_checkpoint(args.directory)
+    except FastPersistError as e:
+        print(f"verify: {e}", file=sys.stderr)
+        return 2
+    for problem in report.problems:
+        print(f"PROBLEM: {problem}")
+    state = "OK" if report.ok else f"FAILED ({len(report.problems)} problems)"
+    print(
+        f"verify: {report.directory}: {state}; {report.tensors} tensors in {report.records} records, "
+        f"{report.bytes_checked / 2**30:.3f} GiB checksummed"
+    )
+    return 0 if report.ok else 1
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -62,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     b.add_argument("--keep", action="store_true", help="keep the last checkpoint of each contender")
     b.set_defaults(func=_bench)
+    v = sub.add_parser("verify", help="check a checkpoint completely (no torch.distributed needed)")
+    v.add_argument("directory", help="checkpoint directory")
+    v.set_defaults(func=_verify)
     o = sub.add_parser("build-ops", help="build (or check) the DeepSpeed ops FastPersist uses")
     o.set_defaults(func=_build_ops)
     return p

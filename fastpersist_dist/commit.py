@@ -157,17 +157,20 @@ def _log_summary(checkpoint_dir: str, statuses: list[dict[str, Any]]) -> None:
     )
 
 
-def read_index(checkpoint_dir: str, rank: int) -> CheckpointIndex:
-    """The committed index, or an error saying why this directory cannot be loaded."""
+def read_index(checkpoint_dir: str, who: str) -> CheckpointIndex:
+    """The committed index, or an error saying why this directory cannot be loaded.
+
+    ``who`` (e.g. "rank 3") starts every message.
+    """
     path = os.path.join(str(checkpoint_dir), INDEX_FILE)
     try:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
         raise IncompleteCheckpointError(
-            f"rank {rank}: {checkpoint_dir} has no {INDEX_FILE}: this checkpoint is incomplete "
+            f"{who}: {checkpoint_dir} has no {INDEX_FILE}: this checkpoint is incomplete "
             "(its save crashed, failed or is still running) and cannot be loaded"
         ) from None
     except OSError as e:
-        raise FastPersistError(f"rank {rank}: cannot read {path}: {e}") from e
+        raise FastPersistError(f"{who}: cannot read {path}: {e}") from e
     return CheckpointIndex.from_json_bytes(data, path)

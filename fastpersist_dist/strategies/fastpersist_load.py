@@ -40,9 +40,9 @@ def _rank() -> int:
 class _Loader:
     """One load: the index grouped by key, and an open reader."""
 
-    def __init__(self, index: CheckpointIndex, reader: ShardReader, trust_objects: bool):
+    def __init__(self, index: CheckpointIndex, reader: ShardReader, rank: int, trust_objects: bool):
         self.reader = reader
-        self.rank = reader.rank
+        self.rank = rank
         self.trust_objects = trust_objects
         self.tensors: dict[str, list[ShardRecord]] = defaultdict(list)
         self.objects: dict[tuple[str, tuple[int, ...]], ShardRecord] = {}
@@ -159,9 +159,9 @@ class FastPersistLoadStrategy(LoadShardedStrategy):
         """Replace every ShardedTensor/ShardedObject with its loaded value (tensors in place when possible)."""
         start = time.perf_counter()
         rank = _rank()
-        index = read_index(str(checkpoint_dir), rank)
-        with ShardReader(str(checkpoint_dir), index, self.verify_checksums, rank) as reader:
-            loader = _Loader(index, reader, self.trust_objects)
+        index = read_index(str(checkpoint_dir), f"rank {rank}")
+        with ShardReader(str(checkpoint_dir), index, self.verify_checksums, f"rank {rank}") as reader:
+            loader = _Loader(index, reader, rank, self.trust_objects)
             dict_list_map_inplace(loader.load, sharded_state_dict)
             loader.run()
         seconds = time.perf_counter() - start
@@ -174,7 +174,7 @@ class FastPersistLoadStrategy(LoadShardedStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
         """Global shape and dtype of every stored tensor, as data-less ShardedTensors."""
-        index = read_index(str(checkpoint_dir), _rank())
+        index = read_index(str(checkpoint_dir), f"rank {_rank()}")
         out: dict[str, ShardedTensor] = {}
         for r in index.records:
             if r.kind == KIND_TENSOR and r.key not in out:
@@ -185,7 +185,7 @@ class FastPersistLoadStrategy(LoadShardedStrategy):
     def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
         """Tensor metadata plus every stored ShardedObject, keyed by its unique key."""
         out: dict[str, Any] = dict(self.load_tensors_metadata(checkpoint_dir))
-        for r in read_index(str(checkpoint_dir), _rank()).records:
+        for r in read_index(str(checkpoint_dir), f"rank {_rank()}").records:
             if r.kind == KIND_OBJECT:
                 obj = ShardedObject(r.key, None, r.global_shape, r.global_offset, 0)
                 out[obj.unique_key] = obj
