@@ -24,6 +24,7 @@ def test_bench_command_tiny(tmp_path):
     assert [r["name"] for r in report["results"]] == ["fastpersist", "fastpersist_async", "torch_dist"]
     assert report["results"][1]["blocking"]["median_s"] > 0
     assert "fastpersist" in proc.stdout and "x t_dist" in proc.stdout
+    assert "bench: fastpersist_async 1/1: save" in proc.stderr  # progress while it runs
     assert not list((tmp_path / "b").iterdir())  # checkpoints removed unless --keep
 
 

@@ -116,8 +116,14 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
                     times.append(_timed(lambda: holder.update(load(template, ckpt))))
                     _check(holder, expected)
                 dist.barrier()
-                if rank == 0 and not (cfg.keep and rep == cfg.reps - 1):
-                    shutil.rmtree(ckpt, ignore_errors=True)
+                if rank == 0:
+                    print(
+                        f"bench: {name} {rep + 1}/{cfg.reps}: save {res.save_s[-1]:.2f} s, "
+                        f"load {res.load_s[-1]:.2f} s, reshard {res.reshard_s[-1]:.2f} s (values checked)",
+                        file=sys.stderr, flush=True,
+                    )
+                    if not (cfg.keep and rep == cfg.reps - 1):
+                        shutil.rmtree(ckpt, ignore_errors=True)
             results.append(res)
         queue.put((rank, True, (shape, results)))
     except BaseException:  # noqa: BLE001 - shown to the user by the parent
