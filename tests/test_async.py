@@ -54,11 +54,18 @@ def async_save(sd: dict, path: str, strategy: FastPersistSaveStrategy):
     return dist_checkpointing.save(sd, path, sharded_strategy=strategy, async_sharded_save=True)
 
 
-def _mutate_right_after_save(rank: int, world: int, root: str) -> None:
+def start_first_save(rank: int, world: int, path: str):
+    """A fresh state, its values at save time, and one async save of it scheduled to ``path``."""
     sd = state(rank, world)
     before = snapshot(sd)
+    strategy = FastPersistSaveStrategy()
     queue = AsyncSaveQueue()
-    queue.schedule(async_save(sd, f"{root}/c", FastPersistSaveStrategy()))
+    queue.schedule(async_save(sd, path, strategy))
+    return sd, before, strategy, queue
+
+
+def _mutate_right_after_save(rank: int, world: int, root: str) -> None:
+    sd, before, _, queue = start_first_save(rank, world, f"{root}/c")
     mutate(sd, 0)  # training goes on at once
     assert not os.path.exists(f"{root}/c/metadata.json") and not os.path.exists(f"{root}/c/{INDEX_FILE}")
     assert queue.maybe_finalize(blocking=True) == [1]
@@ -98,11 +105,7 @@ def test_three_consecutive_async_checkpoints(tmp_path):
 
 
 def _background_write_fails(rank: int, world: int, root: str) -> str:
-    sd = state(rank, world)
-    good = snapshot(sd)
-    queue = AsyncSaveQueue()
-    strategy = FastPersistSaveStrategy()
-    queue.schedule(async_save(sd, f"{root}/good", strategy))
+    sd, good, strategy, queue = start_first_save(rank, world, f"{root}/good")
     queue.close()
     if rank == 1:  # the forked writer inherits the limit: its writes fail with EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -160,11 +163,7 @@ def test_forked_writer_does_not_deadlock_after_parallel_work(tmp_path):
 
 
 def _same_directory_twice(rank: int, world: int, root: str) -> str:
-    sd = state(rank, world)
-    before = snapshot(sd)
-    strategy = FastPersistSaveStrategy()
-    queue = AsyncSaveQueue()
-    queue.schedule(async_save(sd, f"{root}/c", strategy))
+    sd, before, strategy, queue = start_first_save(rank, world, f"{root}/c")
     mutate(sd, 0)
     with pytest.raises(SaveFailedError) as info:
         async_save(sd, f"{root}/c", strategy)  # would interleave with the running writer

@@ -23,16 +23,16 @@ SHIM_NOTE = "torch_dist ran with torch.cuda.synchronize/current_device stubbed (
 
 
 @contextmanager
-def torch_dist_cpu_shims() -> Iterator[bool]:
-    """Stub the two CUDA calls torch_dist makes, only where CUDA is absent; yields whether it did."""
+def torch_dist_cpu_shims() -> Iterator[None]:
+    """Stub the two CUDA calls torch_dist makes, only where CUDA is absent."""
     if torch.cuda.is_available():
-        yield False
+        yield
         return
     saved = torch.cuda.synchronize, torch.cuda.current_device
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: "cpu"
     try:
-        yield True
+        yield
     finally:
         torch.cuda.synchronize, torch.cuda.current_device = saved
 
