@@ -4,6 +4,7 @@ Importing the package registers the ('fastpersist', 1) save and load strategies.
 """
 
 from .async_queue import AsyncSaveQueue
+from .commit import prepare_checkpoint_dir
 from .config import WriteConfig
 from .errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
 from .format import BACKEND, BACKEND_VERSION
@@ -24,5 +25,6 @@ __all__ = [
     "IncompleteCheckpointError",
     "SaveFailedError",
     "WriteConfig",
+    "prepare_checkpoint_dir",
     "register",
 ]

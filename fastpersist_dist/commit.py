@@ -3,12 +3,20 @@
 1. Before any data is written, rank 0 removes the old index (the commit marker)
    and every stale FastPersist file, then fsyncs the directory: a crash from
    here on leaves a directory that is recognisably incomplete.
-2. Each writer streams its data file, fsyncs it, checks its size and leaves a
-   status file (records + checksums, or the error). The writer may run in
-   another process (async save), so the status file is the hand-over.
+2. Each writer streams its data file, fsyncs it, checks its size, reads
+   sampled blocks back from the device and leaves a status file (records +
+   checksums, or the error). The writer may run in another process (async
+   save), so the status file is the hand-over.
 3. At finalize every rank sends its status to rank 0. Only if all succeeded does
    rank 0 write the index: temp file, fsync, rename, fsync of the directory.
-   The outcome is broadcast, so every rank raises the same error or none.
+   The outcome is broadcast, so every rank raises the same error or none. A
+   failed save removes its data files (its space is needed on a full disk); the
+   directory stays without index, i.e. incomplete.
+
+A rank that dies or hangs makes the commit collectives fail on the others: a
+dead process at once (gloo sees its sockets close), a hung one after the
+process group's timeout. That surfaces as ``SaveFailedError`` too, saying
+whether this rank knows the outcome.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import traceback
 from typing import Any, Optional
 
@@ -27,6 +36,7 @@ from .format import (
     INDEX_FILE,
     STATUS_FILE_RE,
     CheckpointIndex,
+    data_file_name,
     record_from_json,
     record_to_json,
     status_file_name,
@@ -48,21 +58,71 @@ def fsync_dir(path: str) -> None:
 def atomic_write(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file, or the whole new one."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)  # e.g. a full disk: leave no half-written temp file behind
+        raise
     fsync_dir(os.path.dirname(path) or ".")
 
 
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _who() -> str:
+    return f"rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else f"pid {os.getpid()}"
+
+
 def check_target_directory(checkpoint_dir: str) -> Optional[str]:
-    """Why ``checkpoint_dir`` cannot receive a checkpoint, or None if it can."""
+    """Why ``checkpoint_dir`` cannot receive a checkpoint (from this process), or None if it can.
+
+    A probe file is created and removed: ``os.access`` looks at permission bits,
+    which say "writable" to root on a read-only mount or under NFS root squash.
+    """
     if not os.path.isdir(checkpoint_dir):
-        return f"checkpoint directory {checkpoint_dir} does not exist (megatron's save() needs it created first)"
-    if not os.access(checkpoint_dir, os.W_OK | os.X_OK):
-        return f"checkpoint directory {checkpoint_dir} is not writable"
+        return (f"{_who()}: checkpoint directory {checkpoint_dir} does not exist "
+                "(megatron's save() needs it created first)")
+    probe = os.path.join(checkpoint_dir, f".fastpersist_probe.{socket.gethostname()}.{os.getpid()}")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600))
+    except OSError as e:
+        return f"{_who()}: checkpoint directory {checkpoint_dir} is not writable: {e.strerror} (creating {probe})"
+    _unlink_quietly(probe)
     return None
+
+
+def prepare_checkpoint_dir(checkpoint_dir: str, create: bool = True) -> None:
+    """Collective: create ``checkpoint_dir`` (rank 0) and check that every rank can write it.
+
+    Call it instead of ``os.makedirs`` + barrier before ``dist_checkpointing.save``:
+    megatron's save() lists the directory and writes ``common.pt`` on rank 0
+    before our strategy runs, so a missing or read-only directory fails there on
+    rank 0 alone, and the other ranks learn of it only when rank 0's process is
+    gone. This raises the same ``SaveFailedError`` on every rank, before anything
+    is written.
+    """
+    what = f"checkpoint directory {checkpoint_dir} cannot be used; nothing was written"
+    created: list[Any] = [None]
+    if dist.get_rank() == 0 and create:
+        try:
+            os.makedirs(checkpoint_dir, exist_ok=True)
+        except OSError as e:
+            created = [f"rank 0: cannot create {checkpoint_dir}: {e.strerror}"]
+    dist.broadcast_object_list(created, src=0)
+    if created[0]:
+        raise SaveFailedError(f"{what}: {created[0]}")
+    problems: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, check_target_directory(checkpoint_dir))
+    if any(problems):
+        raise SaveFailedError(f"{what}: " + " | ".join(p for p in problems if p))
 
 
 def invalidate(checkpoint_dir: str) -> None:
@@ -101,7 +161,8 @@ def read_status(checkpoint_dir: str, rank: int) -> dict[str, Any]:
         with open(path, "rb") as f:
             return json.loads(f.read())
     except (OSError, ValueError) as e:
-        return {"ok": False, "error": f"the writer left no readable status {path} ({e}); did it crash?"}
+        data = os.path.join(checkpoint_dir, data_file_name(rank))
+        return {"ok": False, "error": f"the writer of {data} left no readable status {path} ({e}); did it crash?"}
 
 
 def build_index(statuses: list[dict[str, Any]], block_bytes: int, checkpoint_dir: str) -> CheckpointIndex:
@@ -121,29 +182,54 @@ def finalize_save(checkpoint_dir: str, block_bytes: int) -> None:
     """Collective: commit the index if every rank wrote its file, else raise everywhere."""
     rank, world = dist.get_rank(), dist.get_world_size()
     status = read_status(checkpoint_dir, rank)
-    gathered: Optional[list] = [None] * world if rank == 0 else None
-    dist.gather_object(status, gathered, dst=0)
+    committed = False
     outcome: list[Any] = [None]
-    if rank == 0:
-        assert gathered is not None
-        failures = [f"rank {r}: {st['error']}" for r, st in enumerate(gathered) if not st.get("ok")]
-        if not failures:
-            try:
-                index = build_index(gathered, block_bytes, checkpoint_dir)
-                atomic_write(os.path.join(checkpoint_dir, INDEX_FILE), index.to_json_bytes())
-                _log_summary(checkpoint_dir, gathered)
-            except Exception as e:  # noqa: BLE001 - reported on every rank below
-                failures = [f"rank 0: committing {INDEX_FILE} failed: {type(e).__name__}: {e}"]
-        outcome = [failures]
-    dist.broadcast_object_list(outcome, src=0)
     try:
-        os.unlink(os.path.join(checkpoint_dir, status_file_name(rank)))
-    except OSError:
-        pass
+        gathered: Optional[list] = [None] * world if rank == 0 else None
+        try:
+            dist.gather_object(status, gathered, dst=0)
+        except RuntimeError as e:  # torch's DistError family: a rank died or timed out
+            raise _peer_failure(checkpoint_dir, rank, "gathering every rank's write status", e, False) from e
+        if rank == 0:
+            assert gathered is not None
+            failures = [f"rank {r}: {st['error']}" for r, st in enumerate(gathered) if not st.get("ok")]
+            if not failures:
+                try:
+                    index = build_index(gathered, block_bytes, checkpoint_dir)
+                    atomic_write(os.path.join(checkpoint_dir, INDEX_FILE), index.to_json_bytes())
+                    committed = True
+                except Exception as e:  # noqa: BLE001 - reported on every rank below
+                    failures = [f"rank 0: committing {INDEX_FILE} failed: {type(e).__name__}: {e}"]
+                if committed:
+                    _log_summary(checkpoint_dir, gathered)
+            outcome = [failures]
+        try:
+            dist.broadcast_object_list(outcome, src=0)
+        except RuntimeError as e:
+            raise _peer_failure(checkpoint_dir, rank, "broadcasting the commit outcome", e, committed) from e
+    finally:
+        _unlink_quietly(os.path.join(checkpoint_dir, status_file_name(rank)))
     if outcome[0]:
+        for name in {data_file_name(rank)} | {r["file"] for r in status.get("records", ())}:
+            _unlink_quietly(os.path.join(checkpoint_dir, name))
         raise SaveFailedError(
-            f"checkpoint {checkpoint_dir} was NOT saved; nothing was committed. " + " | ".join(outcome[0])
+            f"checkpoint {checkpoint_dir} was NOT saved; nothing was committed and the data files were removed. "
+            + " | ".join(outcome[0])
         )
+
+
+def _peer_failure(checkpoint_dir: str, rank: int, step: str, error: BaseException, committed: bool) -> SaveFailedError:
+    """The error a rank raises when a commit collective fails (a rank died, or hung past the timeout)."""
+    if rank == 0:
+        state = ("the index WAS committed, but not every rank could be told" if committed
+                 else "nothing was committed")
+    else:
+        state = (f"rank 0 commits only once every rank's status reached it; whether it did is unknown here, "
+                 f"`fastpersist-dist verify {checkpoint_dir}` tells")
+    return SaveFailedError(
+        f"rank {rank}: checkpoint {checkpoint_dir}: {step} failed, a rank died or timed out "
+        f"({type(error).__name__}: {error}); {state}"
+    )
 
 
 def _log_summary(checkpoint_dir: str, statuses: list[dict[str, Any]]) -> None:

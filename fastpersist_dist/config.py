@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from .checksum import DEFAULT_BLOCK_BYTES
 from .storage.deepspeed_ops import AioSettings
@@ -24,6 +24,12 @@ class WriteConfig:
         ``double_buffer``: one half fills while the other drains).
     aio_block_mb / aio_queue_depth / aio_intra_op_parallelism: aio handle settings.
     checksum_block_mb: granularity of the per-shard XXH3 checksums.
+    balance: spread the bytes of replicated shards over every rank holding a
+        replica (data-parallel writes, see plan.py); off: each shard is written
+        by its main replica alone.
+    readback_stride: after fsync, re-read from the device and compare the first
+        and last checksum block of each file (0), also every N-th block (N > 0;
+        1: all), or nothing (None). DeepSpeed reports no failed aio write.
     """
 
     direct_io: DirectIO = "auto"
@@ -33,6 +39,8 @@ class WriteConfig:
     aio_queue_depth: int = 8
     aio_intra_op_parallelism: int = 1
     checksum_block_mb: int = DEFAULT_BLOCK_BYTES // MiB
+    balance: bool = True
+    readback_stride: Optional[int] = 0
 
     def __post_init__(self) -> None:
         if self.direct_io not in ("auto", "on", "off"):
@@ -40,6 +48,8 @@ class WriteConfig:
         for name in ("io_buffer_mb", "aio_block_mb", "aio_queue_depth", "aio_intra_op_parallelism", "checksum_block_mb"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.readback_stride is not None and self.readback_stride < 0:
+            raise ValueError(f"readback_stride must be None or >= 0, got {self.readback_stride!r}")
 
     @property
     def checksum_block_bytes(self) -> int:

@@ -1,14 +1,144 @@
-"""Planning: where in which file each record's bytes go. Pure: no I/O, no collectives."""
+"""Planning: which rank writes which bytes, and where in its file. Pure: no I/O, no collectives.
+
+Every rank describes every shard it holds, main replica or not (objects:
+main replicas only, they are serialized just to be written). From all ranks'
+descriptions :func:`plan_writes` decides who writes what so that bytes per
+rank are balanced, the way FastPersist spreads one checkpoint over all
+data-parallel writers: a shard may be written by any rank holding a replica;
+small shards go whole to the least-loaded holder, large ones are cut into
+element-aligned byte ranges (``flattened_range`` pieces) over their holders.
+The plan depends only on its inputs, so every rank computes the same one.
+"""
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
-from typing import Optional
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
 
-import numpy as np
+from megatron.core.dist_checkpointing.mapping import is_main_replica
 
-from .format import ShardRecord, data_file_name
+from .coverage import coverage_errors
+from .errors import FastPersistError
+from .format import KIND_TENSOR, ShardRecord, data_file_name, itemsize
+
+SPLIT_UNIT = 1 << 20  # piece boundaries fall on multiples of this many bytes (whole elements)
+SHARE_SLACK = 64  # shards up to 1/64 of a rank's fair share are never split
+
+
+class PlanError(FastPersistError):
+    """The ranks' shards cannot be planned: inconsistent replicas, duplicates or gaps."""
+
+
+@dataclass
+class _Shard:
+    """One stored unit (a tensor shard or an object) and the ranks holding a copy."""
+
+    main_rank: Optional[int]
+    holders: dict[int, ShardRecord]  # rank -> that rank's record of the shard
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.holders.values())).length
+
+
+def _same_shard(a: ShardRecord, b: ShardRecord) -> bool:
+    fields = ("dtype", "local_shape", "global_shape", "prepend_axis_num", "length")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def _group(held: Sequence[Sequence[ShardRecord]]) -> list[_Shard]:
+    """Every distinct shard with its holders, in a deterministic order; raises on inconsistent replicas."""
+    shards: dict[tuple, _Shard] = {}
+    for rank, records in enumerate(held):
+        for r in records:
+            s = shards.setdefault((r.kind, r.key, r.global_offset), _Shard(None, {}))
+            first = next(iter(s.holders.items()), None)
+            if first is not None and not _same_shard(first[1], r):
+                raise PlanError(
+                    f"{r.kind} '{r.key}' at global offset {r.global_offset}: rank {first[0]} and rank {rank} hold "
+                    f"replicas that disagree (dtype/shape/bytes: {first[1].dtype} {first[1].local_shape} "
+                    f"{first[1].length} vs {r.dtype} {r.local_shape} {r.length})"
+                )
+            if is_main_replica(r.replica_id):
+                if s.main_rank is not None:
+                    raise PlanError(
+                        f"{r.kind} '{r.key}' at global offset {r.global_offset} is a main replica (replica_id 0) on "
+                        f"rank {s.main_rank} and on rank {rank}: each shard needs exactly one main replica"
+                    )
+                s.main_rank = rank
+            s.holders.setdefault(rank, r)
+    return [shards[k] for k in sorted(shards)]
+
+
+def _water_fill(load: list[int], ranks: list[int], size: int, unit: int) -> list[tuple[int, int, int]]:
+    """Cut ``size`` bytes into (rank, start, stop) so the least-loaded ``ranks`` rise to one level.
+
+    Boundaries are rounded to multiples of ``unit``; the pieces follow rank order.
+    """
+    order = sorted(ranks, key=lambda c: (load[c], c))
+    base, level, takers = 0, 0.0, order
+    for j, c in enumerate(order, 1):
+        base += load[c]
+        level = (size + base) / j
+        if j == len(order) or level <= load[order[j]]:
+            takers = order[:j]
+            break
+    pieces, start, wanted = [], 0, 0.0
+    takers = sorted(takers)
+    for i, c in enumerate(takers):
+        wanted += level - load[c]
+        stop = size if i == len(takers) - 1 else min(size, round(wanted / unit) * unit)
+        if stop > start:
+            pieces.append((c, start, stop))
+            start = stop
+    return pieces
+
+
+def _piece(r: ShardRecord, start: int, stop: int) -> ShardRecord:
+    """The record of bytes [start, stop) of a tensor shard (whole when they are all of it)."""
+    if (start, stop) == (0, r.length):
+        return r
+    size = itemsize(r.dtype)
+    return replace(r, flattened_range=(start // size, stop // size), length=stop - start)
+
+
+def plan_writes(
+    held: Sequence[Sequence[ShardRecord]], balance: bool = True, unit: int = SPLIT_UNIT
+) -> list[list[ShardRecord]]:
+    """Per rank, the records (whole shards or pieces, not yet placed in files) it writes.
+
+    ``held[r]`` lists what rank ``r`` holds. Without ``balance`` every shard is
+    written whole by its main replica. With it, shards with fewer holders are
+    placed first (the widely replicated ones then even out what they left),
+    largest first among equals: whole onto the least-loaded holder when
+    small, water-filled over their holders when large. Raises
+    :class:`PlanError` when replicas disagree or a shard has two main replicas.
+    """
+    shards = _group(held)
+    world = len(held)
+    load = [0] * world
+    out: list[list[ShardRecord]] = [[] for _ in range(world)]
+    fair_share = sum(s.length for s in shards if s.main_rank is not None) // max(world, 1)
+    split_above = max(2 * unit, fair_share // SHARE_SLACK)
+    planned = [s for s in shards if s.main_rank is not None]  # shards without one: reported by coverage
+    if balance:
+        planned.sort(key=lambda s: (len(s.holders), -s.length))  # stable: ties keep key order
+    for s in planned:
+        main_record = s.holders[s.main_rank]
+        holders = sorted(s.holders) if balance and main_record.kind == KIND_TENSOR else [s.main_rank]
+        if len(holders) == 1 or s.length <= split_above:
+            rank = min(holders, key=lambda c: (load[c], c))
+            out[rank].append(s.holders[rank])
+            load[rank] += s.length
+            continue
+        size = itemsize(main_record.dtype)
+        for rank, start, stop in _water_fill(load, holders, s.length, -(-unit // size) * size):
+            out[rank].append(_piece(s.holders[rank], start, stop))
+            load[rank] += stop - start
+    for records in out:
+        records.sort(key=lambda r: (r.key, r.global_offset, r.flattened_range or (0,)))
+    return out
 
 
 def place_in_rank_file(records: list[ShardRecord], rank: int) -> list[ShardRecord]:
@@ -21,57 +151,53 @@ def place_in_rank_file(records: list[ShardRecord], rank: int) -> list[ShardRecor
     return placed
 
 
-def shard_box(r: ShardRecord) -> tuple[int, ...]:
-    """Shape of the global-tensor box a tensor record covers (prepended axes are 1)."""
-    return (1,) * r.prepend_axis_num + r.local_shape
+Outgoing = tuple[str, Optional[list[ShardRecord]]]
 
 
-def coverage_errors(records: list[ShardRecord]) -> list[str]:
-    """Problems with how all ranks' main replicas cover each global tensor.
+class PlanCache:
+    """The last plan and the shard structure it was made for (one per strategy).
 
-    Megatron checks regular grids itself but defers uneven shardings to the
-    backend: here every tensor must be covered exactly once (volumes add up and
-    no two shards overlap) and every object shard must be unique.
+    Each save exchanges, per rank, a digest of the records it holds and the
+    records themselves only when they changed since the previous save: a
+    checkpoint every N steps sends a few bytes per rank and reuses the plan.
+    Every rank updates its cache from the same gathered data, so caches agree.
     """
-    errors: list[str] = []
-    tensors: dict[str, list[ShardRecord]] = {}
-    objects: set[tuple[str, tuple[int, ...]]] = set()
-    for r in records:
-        if r.kind == "object":
-            if (r.key, r.global_offset) in objects:
-                errors.append(f"object '{r.key}' shard {r.global_offset} is saved by more than one rank")
-            objects.add((r.key, r.global_offset))
-        else:
-            tensors.setdefault(r.key, []).append(r)
-    for key, group in tensors.items():
-        shapes = {r.global_shape for r in group}
-        if len(shapes) > 1:
-            errors.append(f"tensor '{key}': ranks disagree on the global shape: {sorted(shapes)}")
-            continue
-        total = math.prod(group[0].global_shape)
-        have = sum(math.prod(shard_box(r)) for r in group)
-        lo = np.array([r.global_offset for r in group], dtype=np.int64).reshape(len(group), -1)
-        hi = lo + np.array([shard_box(r) for r in group], dtype=np.int64).reshape(len(group), -1)
-        pair = _first_overlap(lo, hi)
-        if pair is not None:
-            i, j = pair
-            errors.append(
-                f"tensor '{key}': shards at {group[i].global_offset} and {group[j].global_offset} overlap "
-                "(each element must have exactly one main replica)"
-            )
-        elif have != total:
-            errors.append(f"tensor '{key}': main replicas cover {have} of {total} elements (shards missing)")
-    return errors
 
+    def __init__(self) -> None:
+        self._digests: tuple[str, ...] = ()
+        self._held: list[list[ShardRecord]] = []
+        self._balance: Optional[bool] = None
+        self._plan: list[list[ShardRecord]] = []
+        self.reused = False
 
-def _first_overlap(lo: np.ndarray, hi: np.ndarray, rows: int = 256) -> Optional[tuple[int, int]]:
-    """First pair (i, j), i != j, of boxes [lo, hi) that share an element; rows chunked to bound memory."""
-    for start in range(0, len(lo), rows):
-        a_lo, a_hi = lo[start : start + rows, None], hi[start : start + rows, None]
-        hit = np.all(np.minimum(a_hi, hi[None]) > np.maximum(a_lo, lo[None]), axis=-1)
-        idx = np.arange(len(hit))
-        hit[idx, idx + start] = False
-        if hit.any():
-            i, j = np.argwhere(hit)[0]
-            return int(i) + start, int(j)
-    return None
+    @staticmethod
+    def digest(records: list[ShardRecord]) -> str:
+        """Digest of a rank's shard structure (records are plain frozen dataclasses)."""
+        return hashlib.blake2b(repr(records).encode(), digest_size=16).hexdigest()
+
+    def outgoing(self, rank: int, held: list[ShardRecord]) -> Outgoing:
+        """What ``rank`` sends: its digest, and its records unless the cache already has them."""
+        d = self.digest(held)
+        known = rank < len(self._digests) and self._digests[rank] == d
+        return d, None if known else held
+
+    def plan(self, gathered: Sequence[Outgoing], balance: bool) -> list[list[ShardRecord]]:
+        """The plan for every rank's gathered :meth:`outgoing`; raises :class:`PlanError` if there is none."""
+        digests = tuple(d for d, _ in gathered)
+        if digests == self._digests and balance == self._balance:
+            self.reused = True
+            return self._plan
+        held = []
+        for rank, (d, records) in enumerate(gathered):
+            if records is None:
+                if rank >= len(self._digests) or self._digests[rank] != d:
+                    raise PlanError(f"rank {rank} sent no records and the plan cache does not know its digest {d}")
+                records = self._held[rank]
+            held.append(records)
+        plan = plan_writes(held, balance)
+        errors = coverage_errors([r for records in plan for r in records])
+        if errors:
+            raise PlanError("; ".join(errors))
+        self._digests, self._held, self._balance, self._plan = digests, held, balance, plan
+        self.reused = False
+        return plan

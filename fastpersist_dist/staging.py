@@ -1,7 +1,10 @@
 """From a megatron sharded state dict to (record, host bytes) pairs ready to write.
 
-Only main replicas are kept (megatron leaves skipping the others to the
-strategy). Tensors become 1-D uint8 views of contiguous host memory: only a
+Every tensor shard a rank holds is described, main replica or not, so the
+planner can spread replicated bytes over their holders (megatron leaves the
+choice of writer to the strategy); objects only where they are the main
+replica. Once planned, the bytes a rank writes (whole shards or element
+ranges of them) become 1-D uint8 views of contiguous host memory: only a
 view's own bytes, never its base storage. Accelerator tensors are copied to
 the host here, in the training process, so the writer never touches a device.
 ShardedObjects are serialized with ``torch.save`` (they are arbitrary Python
@@ -17,7 +20,11 @@ from typing import Optional, Union
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    is_main_replica,
+)
 
 from .errors import FastPersistError
 from .format import KIND_OBJECT, KIND_TENSOR, ShardRecord, dtype_name
@@ -33,11 +40,11 @@ class StagedShard:
     data: torch.Tensor
 
 
-def main_replicas(sharded_state_dict: dict) -> list[Sharded]:
-    """Every ShardedTensor/ShardedObject this rank must write, in a deterministic order."""
+def held_shards(sharded_state_dict: dict) -> list[Sharded]:
+    """Every ShardedTensor and main-replica ShardedObject of this rank, in a deterministic order."""
     items = [
         v for v in nested_values(sharded_state_dict)
-        if isinstance(v, (ShardedTensor, ShardedObject)) and is_main_replica(v.replica_id)
+        if isinstance(v, ShardedTensor) or (isinstance(v, ShardedObject) and is_main_replica(v.replica_id))
     ]
     items.sort(key=lambda v: (v.key, tuple(v.global_offset)))
     return items
@@ -97,23 +104,44 @@ def stage_object(sh: ShardedObject, rank: int) -> StagedShard:
 
 
 def stage(sharded_state_dict: dict, rank: int) -> list[StagedShard]:
-    """Validate and describe every main replica; raises on the first invalid one.
+    """Validate and describe every held shard; raises on the first invalid one.
 
-    Objects are serialized now; tensors keep their source tensor as ``data``
-    until :func:`to_host_bytes` (synchronous save) or :meth:`SnapshotPool.snapshot`
-    (asynchronous save) turns it into host bytes.
+    Objects are serialized now; tensors keep their source tensor as ``data``.
     """
     return [
         StagedShard(_tensor_record(sh, rank), sh.data) if isinstance(sh, ShardedTensor) else stage_object(sh, rank)
-        for sh in main_replicas(sharded_state_dict)
+        for sh in held_shards(sharded_state_dict)
     ]
 
 
+def assign(staged: list[StagedShard], records: list[ShardRecord], rank: int) -> list[StagedShard]:
+    """Pair the records the plan gives ``rank`` with the shards they come from.
+
+    Tensor data stays the source tensor until :func:`to_host_bytes` (synchronous
+    save) or :meth:`SnapshotPool.snapshot` (asynchronous save) turns the record's
+    elements into host bytes.
+    """
+    sources = {(s.record.kind, s.record.key, s.record.global_offset): s.data for s in staged}
+    try:
+        return [StagedShard(r, sources[(r.kind, r.key, r.global_offset)]) for r in records]
+    except KeyError as e:
+        raise FastPersistError(f"rank {rank}: the write plan names shard {e} that this rank does not hold") from None
+
+
+def _elements(s: StagedShard) -> torch.Tensor:
+    """The source elements a tensor record stores: all of them, or its flattened range."""
+    data = s.data.detach()
+    if s.record.flattened_range is None:
+        return data
+    start, stop = s.record.flattened_range
+    return data.reshape(-1)[start:stop]
+
+
 def to_host_bytes(staged: list[StagedShard]) -> None:
-    """Point every tensor shard at host bytes, copying only what is not contiguous host memory."""
+    """Point every tensor record at host bytes, copying only what is not contiguous host memory."""
     for s in staged:
         if s.record.kind == KIND_TENSOR:
-            s.data = _host_bytes(s.data)
+            s.data = _host_bytes(_elements(s))
 
 
 Lease = tuple[tuple, torch.Tensor]
@@ -135,12 +163,13 @@ class SnapshotPool:
         self._free: Optional[Lease] = None
 
     def snapshot(self, staged: list[StagedShard]) -> Lease:
-        """Copy each tensor shard into a buffer; ``data`` becomes the buffer's bytes.
+        """Copy each tensor record's elements into a buffer; ``data`` becomes the buffer's bytes.
 
         Returns the lease to :meth:`release` once the bytes are written.
         """
         tensors = [s for s in staged if s.record.kind == KIND_TENSOR]
-        signature = tuple((s.record.key, s.record.global_offset, s.record.length) for s in tensors)
+        signature = tuple((s.record.key, s.record.global_offset, s.record.flattened_range, s.record.length)
+                          for s in tensors)
         offsets, total = [], 0
         for s in tensors:
             offsets.append(total)
@@ -150,7 +179,8 @@ class SnapshotPool:
         for s, off in zip(tensors, offsets):
             dest = buffer[off : off + s.record.length]
             if s.record.length:
-                dest.view(s.data.dtype).view(s.data.shape).copy_(s.data.detach(), non_blocking=on_device)
+                source = _elements(s)
+                dest.view(source.dtype).view(source.shape).copy_(source, non_blocking=on_device)
             s.data = dest
         if on_device:
             torch.accelerator.synchronize()

@@ -14,9 +14,9 @@ import os
 from dataclasses import dataclass, field
 
 from .commit import read_index
+from .coverage import coverage_errors
 from .errors import FastPersistError
 from .format import BACKEND, BACKEND_VERSION
-from .plan import coverage_errors
 from .storage.reader import ShardReader
 
 WHO = "verify"

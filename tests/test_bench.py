@@ -4,7 +4,11 @@ import json
 import subprocess
 import sys
 
+from fastpersist_dist.bench.baselines import DEFAULT_CONTENDERS
 from fastpersist_dist.bench.gpt_state import GptShape
+from fastpersist_dist.bench.runner import BenchConfig
+from fastpersist_dist.bench.sweep import SEARCH, format_sweep
+from fastpersist_dist.config import WriteConfig
 
 
 def test_gpt_shape_sizes():
@@ -13,18 +17,27 @@ def test_gpt_shape_sizes():
 
 
 def test_bench_command_tiny(tmp_path):
-    out = tmp_path / "report.json"
+    """Every default contender runs, values are checked, JSON and PNG are written, knobs reach the writer."""
+    out, chart = tmp_path / "report.json", tmp_path / "chart.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "fastpersist_dist.cli", "bench", "--gib", "0.02", "--reps", "1",
-         "--dir", str(tmp_path / "b"), "--json", str(out)],
+        [sys.executable, "-m", "fastpersist_dist.cli", "bench", "--gib", "0.02", "--reps", "1", "--tp", "1",
+         "--dir", str(tmp_path / "b"), "--json", str(out), "--plot", str(chart), "--io-buffer-mb", "16",
+         "--aio-queue-depth", "4"],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [r["name"] for r in report["results"]] == ["fastpersist", "fastpersist_async", "torch_dist"]
-    assert report["results"][1]["blocking"]["median_s"] > 0
-    assert "fastpersist" in proc.stdout and "x t_dist" in proc.stdout
+    rows = {r["name"]: r for r in report["results"]}
+    assert list(rows) == list(DEFAULT_CONTENDERS)
+    assert report["config"]["write"]["io_buffer_mb"] == 16 and report["config"]["write"]["aio_queue_depth"] == 4
+    assert rows["fastpersist_async"]["blocking"]["median_s"] > 0
+    assert "reshard" not in rows["device_bound"] and rows["device_bound"]["save"]["x_device"] == 1.0
+    assert rows["torch_dist"]["save"]["x_torch_dist"] == 1.0 and rows["fastpersist"]["reshard"]["x_torch_dist"] > 0
+    per_rank = rows["fastpersist"]["bytes_per_rank"]
+    assert len(per_rank) == 2 and min(per_rank) > 0  # TP=1: all replicated, both ranks write a share
+    assert "bytes written per rank" in proc.stdout and "x t_dist" in proc.stdout
     assert "bench: fastpersist_async 1/1: save" in proc.stderr  # progress while it runs
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "b").iterdir())  # checkpoints removed unless --keep
 
 
@@ -33,3 +46,15 @@ def test_bench_rejects_bad_arguments():
         proc = subprocess.run([sys.executable, "-m", "fastpersist_dist.cli", "bench", *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and proc.stderr.strip(), args
+
+
+def test_sweep_table_and_argument_check():
+    rows = [{"knob": "io_buffer_mb", "value": v, "default": v == 64, "median_s": t, "min_s": t, "max_s": t + 0.1,
+             "gib_s": 1 / t} for v, t in ((16, 0.5), (64, 0.25))]
+    table = format_sweep(rows, BenchConfig(gib=1.0))
+    assert "io_buffer_mb" in table and "64*" in table and "16 " in table and "4.00" in table
+    proc = subprocess.run([sys.executable, "-m", "fastpersist_dist.cli", "sweep", "--ranks", "3", "--tp", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "must be a multiple of --tp" in proc.stderr
+    defaults = WriteConfig()
+    assert all(getattr(defaults, knob) in values for knob, values in SEARCH.items())  # defaults are searched

@@ -63,7 +63,7 @@ def _expect_save_error(rank: int, world: int, path: str, sd_kind: str) -> str:
         ("dtype", "ShardedTensor 'cplx': dtype torch.complex32 is not supported"),
         ("overlap", "tensor 'ov': shards at (0, 0) and (2, 0) overlap"),
         ("missing", "tensor 'gap': main replicas cover 4 of 8 elements (shards missing)"),
-        ("object_twice", "object 'obj' shard (0,) is saved by more than one rank"),
+        ("object_twice", "object 'obj' at global offset (0,) is a main replica (replica_id 0) on rank 0 and on rank 1"),
     ],
 )
 def test_bad_input_fails_on_every_rank_and_writes_nothing(tmp_path, kind, needle):

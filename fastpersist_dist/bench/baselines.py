@@ -1,25 +1,40 @@
-"""The contenders' save calls, and the CPU shims megatron's torch_dist needs.
+"""The contenders: how each one saves and loads, and the CPU shims megatron's torch_dist needs.
 
 megatron-core 0.16's torch_dist save calls ``torch.cuda.synchronize()`` and
 ``torch.cuda.current_device()`` unconditionally, so on a CPU-only torch it
-cannot run. For the baseline alone, inside :func:`torch_dist_cpu_shims`, both
-are stubbed (no-op, and "cpu"); FastPersist never runs under these stubs.
+cannot run. For the torch_dist contenders alone, inside
+:func:`torch_dist_cpu_shims`, both are stubbed (no-op, and "cpu"); FastPersist
+never runs under these stubs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import is_main_replica
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistSaveShardedStrategy,
+)
 
 from ..async_queue import AsyncSaveQueue
+from ..config import WriteConfig
+from ..storage.deepspeed_ops import aio_resources
 from ..strategies.fastpersist_save import FastPersistSaveStrategy
 
 SHIM_NOTE = "torch_dist ran with torch.cuda.synchronize/current_device stubbed (CPU-only torch)"
+DEVICE_BOUND = "device_bound"
 
 
 @contextmanager
@@ -37,24 +52,48 @@ def torch_dist_cpu_shims() -> Iterator[None]:
         torch.cuda.synchronize, torch.cuda.current_device = saved
 
 
-def _torch_dist_save(sd: dict, ckpt: str) -> None:
+Save = Callable[[dict, str, WriteConfig], Optional[float]]  # returns seconds the call blocked, if async
+Load = Callable[[dict, str, WriteConfig], dict]  # returns {key: loaded tensor} for the values it can check
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One way to save and load the benchmark state."""
+
+    save: Save
+    load: Load
+    reshards: bool  # can load into another sharding
+    what: str  # one line for the report
+
+
+def _torch_dist_save(sd: dict, ckpt: str, _: WriteConfig) -> None:
     with torch_dist_cpu_shims():
         dist_checkpointing.save(sd, ckpt, sharded_strategy=("torch_dist", 1))
 
 
-def _fastpersist_save(sd: dict, ckpt: str) -> None:
-    dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy())
+def _fully_parallel_save(sd: dict, ckpt: str, _: WriteConfig) -> None:
+    strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1))
+    with torch_dist_cpu_shims():
+        dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy)
+
+
+def _fastpersist_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
+    dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(config=config))
+
+
+def _unbalanced_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
+    dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(config=dataclasses.replace(config, balance=False)))
 
 
 @lru_cache(maxsize=None)
-def _async_tools() -> tuple[FastPersistSaveStrategy, AsyncSaveQueue]:
-    """One strategy per process, so its snapshot buffer is reused across saves, as in training."""
-    return FastPersistSaveStrategy(), AsyncSaveQueue()
+def _async_tools(config: WriteConfig) -> tuple[FastPersistSaveStrategy, AsyncSaveQueue]:
+    """One strategy per process, so its snapshot buffer and plan are reused across saves, as in training."""
+    return FastPersistSaveStrategy(config=config), AsyncSaveQueue()
 
 
-def _fastpersist_async_save(sd: dict, ckpt: str) -> float:
+def _fastpersist_async_save(sd: dict, ckpt: str, config: WriteConfig) -> float:
     """Async save until durable; returns how long the call blocked the caller."""
-    strategy, queue = _async_tools()
+    strategy, queue = _async_tools(config)
     start = time.perf_counter()
     queue.schedule(dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True))
     blocked = time.perf_counter() - start
@@ -62,18 +101,83 @@ def _fastpersist_async_save(sd: dict, ckpt: str) -> float:
     return blocked
 
 
-def _torch_dist_load(template: dict, ckpt: str) -> dict:
-    with torch_dist_cpu_shims():
+def _megatron_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
+    with torch_dist_cpu_shims():  # no-op for our backend, which never calls CUDA
         return dist_checkpointing.load(template, ckpt)
 
 
-def _fastpersist_load(template: dict, ckpt: str) -> dict:
-    return dist_checkpointing.load(template, ckpt)  # our loader, picked from metadata.json
+def _torch_save_file(ckpt: str) -> str:
+    return os.path.join(ckpt, f"rank{dist.get_rank():05d}.pt")
 
 
-# name -> (save(sd, dir) -> seconds the call blocked if async, load(template, dir) -> state dict)
-CONTENDERS: dict[str, tuple[Callable[[dict, str], Optional[float]], Callable[[dict, str], dict]]] = {
-    "fastpersist": (_fastpersist_save, _fastpersist_load),
-    "fastpersist_async": (_fastpersist_async_save, _fastpersist_load),
-    "torch_dist": (_torch_dist_save, _torch_dist_load),
+def _torch_save(sd: dict, ckpt: str, _: WriteConfig) -> None:
+    """Each rank pickles its main replicas into one file, then fsyncs it."""
+    mine = {k: sh.data for k, sh in sd.items() if is_main_replica(sh.replica_id)}
+    with open(_torch_save_file(ckpt), "wb") as f:
+        torch.save(mine, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
+    return torch.load(_torch_save_file(ckpt), map_location="cpu", weights_only=True)
+
+
+def _bound_file(ckpt: str) -> str:
+    return os.path.join(ckpt, f"bound{dist.get_rank():05d}.bin")
+
+
+def _share(sd: dict) -> int:
+    """Bytes of this rank's even share of the state (what a balanced writer writes)."""
+    main = sum(sh.data.numel() * sh.data.element_size() for sh in sd.values() if is_main_replica(sh.replica_id))
+    total = torch.tensor([main], dtype=torch.int64)
+    dist.all_reduce(total)
+    return int(total.item()) // dist.get_world_size()
+
+
+def _chunks(nbytes: int, buffer: torch.Tensor, align: int) -> Iterator[tuple[int, torch.Tensor]]:
+    size = buffer.numel()
+    for offset in range(0, nbytes, size):
+        n = min(size, nbytes - offset)
+        yield offset, buffer[: -(-n // align) * align]
+
+
+def _device_bound_write(sd: dict, ckpt: str, config: WriteConfig) -> None:
+    """Sequential O_DIRECT aio writes of this rank's share from one locked buffer, then fsync: what fio measures."""
+    res = aio_resources(config.aio)
+    path, align = _bound_file(ckpt), res.handle.get_alignment()
+    for offset, chunk in _chunks(_share(sd), res.buffer, align):
+        if res.handle.sync_pwrite(chunk, path, offset) < 0:
+            raise OSError(f"aio write of {path} at {offset} failed")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _device_bound_read(template: dict, ckpt: str, config: WriteConfig) -> dict:
+    """The same bytes read back with O_DIRECT aio into the locked buffer."""
+    res = aio_resources(config.aio)
+    path, align = _bound_file(ckpt), res.handle.get_alignment()
+    for offset, chunk in _chunks(os.path.getsize(path), res.buffer, align):
+        if res.handle.sync_pread(chunk, path, offset) < 0:
+            raise OSError(f"aio read of {path} at {offset} failed")
+    return {}
+
+
+CONTENDERS: dict[str, Contender] = {
+    DEVICE_BOUND: Contender(_device_bound_write, _device_bound_read, False,
+                            "sequential O_DIRECT aio write/read of each rank's even share, fsynced (fio-like)"),
+    "fastpersist": Contender(_fastpersist_save, _megatron_load, True, "FastPersistSaveStrategy, synchronous"),
+    "fastpersist_async": Contender(_fastpersist_async_save, _megatron_load, True,
+                                   "FastPersistSaveStrategy.async_save + AsyncSaveQueue, until durable"),
+    "fastpersist_unbalanced": Contender(_unbalanced_save, _megatron_load, True,
+                                        "FastPersist with balance=False: main replicas write everything"),
+    "torch_dist": Contender(_torch_dist_save, _megatron_load, True, "megatron torch_dist"),
+    "torch_dist_fully_parallel": Contender(_fully_parallel_save, _megatron_load, True,
+                                           "megatron FullyParallelSaveStrategyWrapper(torch_dist)"),
+    "torch_save": Contender(_torch_save, _torch_load, False, "torch.save of each rank's main replicas + fsync"),
 }
+DEFAULT_CONTENDERS = (DEVICE_BOUND, "fastpersist", "fastpersist_async", "torch_dist", "torch_dist_fully_parallel",
+                      "torch_save")

@@ -1,17 +1,16 @@
-"""The benchmark: FastPersist against megatron's torch_dist on one GPT-shaped state.
+"""The benchmark: FastPersist against the device bound and the alternatives on one GPT-shaped state.
 
 Every contender saves the same state dict from the same ranks into a fresh
 directory under the same target, durably (fsync), and then loads it back
-twice, with the same sharding and resharded (tensor-parallel splits moved to
-the other axis), checking every loaded value. Before each load the page cache of the checkpoint files is
-dropped with posix_fadvise(DONTNEED), so loads read from the device.
+with the same sharding and, where it can, resharded (tensor-parallel splits
+moved to the other axis), checking every loaded value. Before each load the
+page cache of the checkpoint files is dropped with posix_fadvise(DONTNEED),
+so loads read from the device.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
-import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -26,7 +25,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .baselines import CONTENDERS, SHIM_NOTE
+from ..commit import read_index
+from ..config import WriteConfig
+from ..format import INDEX_FILE, data_file_name
+from ..storage.deepspeed_ops import aio_resources
+from ..storage.writer import preload_ops
+from .baselines import CONTENDERS, DEFAULT_CONTENDERS, DEVICE_BOUND, SHIM_NOTE
 from .gpt_state import GptShape, gpt_sharded_state_dict
 
 GiB = 2**30
@@ -42,8 +46,9 @@ class BenchConfig:
     gib: float = 2.0
     reps: int = 3
     directory: str = "bench_out"
-    contenders: tuple[str, ...] = ("fastpersist", "fastpersist_async", "torch_dist")
+    contenders: tuple[str, ...] = DEFAULT_CONTENDERS
     keep: bool = False
+    write: WriteConfig = field(default_factory=WriteConfig)
 
 
 @dataclass
@@ -55,6 +60,7 @@ class Result:
     load_s: list[float] = field(default_factory=list)
     reshard_s: list[float] = field(default_factory=list)
     blocking_s: list[float] = field(default_factory=list)
+    bytes_per_rank: list[int] = field(default_factory=list)  # data file sizes, where the format says
 
 
 def drop_page_cache(directory: str) -> None:
@@ -82,10 +88,19 @@ def _max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
-def _check(loaded: dict, expected: dict) -> None:
-    for key, sh in expected.items():
-        if not torch.equal(loaded[key], sh.data):
-            raise AssertionError(f"benchmark: resharded load of '{key}' differs from what was saved")
+def _check(name: str, loaded: dict, expected: dict) -> None:
+    """Every value a contender loaded equals what was saved (megatron loads return every key)."""
+    for key, value in loaded.items():
+        if not torch.equal(value, expected[key].data):
+            raise AssertionError(f"benchmark: {name} loaded '{key}' different from what was saved")
+
+
+def _bytes_per_rank(ckpt: str) -> list[int]:
+    """Data file sizes per rank, read from a FastPersist index; empty for other formats."""
+    if not os.path.exists(os.path.join(ckpt, INDEX_FILE)):
+        return []
+    index = read_index(ckpt, "bench")
+    return [index.files.get(data_file_name(r), 0) for r in range(index.world_size)]
 
 
 def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
@@ -95,33 +110,35 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
         shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
         sd = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks)
         resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True)
+        preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
+        aio_resources(cfg.write.aio)
         results = []
         for name in cfg.contenders:
-            save, load = CONTENDERS[name]
+            contender = CONTENDERS[name]
             res = Result(name)
+            loads = [(res.load_s, sd)] + ([(res.reshard_s, resharded)] if contender.reshards else [])
             for rep in range(cfg.reps):
                 ckpt = os.path.join(cfg.directory, f"{name}-{rep}")
                 if rank == 0:
                     shutil.rmtree(ckpt, ignore_errors=True)
                     os.makedirs(ckpt)
                 blocked: list = []
-                res.save_s.append(_timed(lambda: blocked.append(save(sd, ckpt))))
+                res.save_s.append(_timed(lambda: blocked.append(contender.save(sd, ckpt, cfg.write))))
                 if blocked[0] is not None:
                     res.blocking_s.append(_max_over_ranks(blocked[0]))
-                for times, expected in ((res.load_s, sd), (res.reshard_s, resharded)):
+                res.bytes_per_rank = _bytes_per_rank(ckpt)
+                for times, expected in loads:
                     if rank == 0:
                         drop_page_cache(ckpt)
                     template = {k: _blank(v) for k, v in expected.items()}
                     holder: dict = {}
-                    times.append(_timed(lambda: holder.update(load(template, ckpt))))
-                    _check(holder, expected)
+                    times.append(_timed(lambda: holder.update(contender.load(template, ckpt, cfg.write))))
+                    _check(name, holder, expected)
                 dist.barrier()
                 if rank == 0:
-                    print(
-                        f"bench: {name} {rep + 1}/{cfg.reps}: save {res.save_s[-1]:.2f} s, "
-                        f"load {res.load_s[-1]:.2f} s, reshard {res.reshard_s[-1]:.2f} s (values checked)",
-                        file=sys.stderr, flush=True,
-                    )
+                    timings = ", ".join(f"{op} {t[-1]:.2f} s" for op, t in
+                                        (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s)) if t)
+                    print(f"bench: {name} {rep + 1}/{cfg.reps}: {timings}", file=sys.stderr, flush=True)
                     if not (cfg.keep and rep == cfg.reps - 1):
                         shutil.rmtree(ckpt, ignore_errors=True)
             results.append(res)
@@ -171,68 +188,82 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
     return report(cfg, shape, results)
 
 
+def _summary(times: list[float], nbytes: int) -> dict[str, float]:
+    med = statistics.median(times)
+    return {"median_s": med, "min_s": min(times), "max_s": max(times), "gib_s": nbytes / GiB / med}
+
+
 def report(cfg: BenchConfig, shape: GptShape, results: list[Result]) -> dict:
-    """Medians, min and max, throughput and ratios to torch_dist."""
+    """Medians, min and max, throughput, and ratios to the device bound and to torch_dist.
+
+    ``x_device``: the device bound's time over the contender's (1.0 = at the bound);
+    ``x_torch_dist``: torch_dist's time over the contender's (2.0 = twice as fast).
+    A load's bound is the bound's read of the same bytes, resharded or not.
+    """
     nbytes = shape.total_bytes()
     rows = []
     for res in results:
-        row: dict[str, Any] = {"name": res.name}
+        row: dict[str, Any] = {"name": res.name, "what": CONTENDERS[res.name].what}
         for op, times in (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s),
                           ("blocking", res.blocking_s)):
-            if not times:
-                continue
-            med = statistics.median(times)
-            row[op] = {"median_s": med, "min_s": min(times), "max_s": max(times), "gib_s": nbytes / GiB / med}
+            if times:
+                row[op] = _summary(times, nbytes)
+        if res.bytes_per_rank:
+            row["bytes_per_rank"] = res.bytes_per_rank
         rows.append(row)
-    base = next((r for r in rows if r["name"] == "torch_dist"), None)
+    by_name = {r["name"]: r for r in rows}
+    base, bound = by_name.get("torch_dist"), by_name.get(DEVICE_BOUND)
     for row in rows:
         for op in OPS:
-            row[op]["x_torch_dist"] = base[op]["median_s"] / row[op]["median_s"] if base else None
-    sync = next((r for r in rows if r["name"] == "fastpersist"), None)
+            if op not in row:
+                continue
+            row[op]["x_torch_dist"] = base[op]["median_s"] / row[op]["median_s"] if base and op in base else None
+            bound_op = "save" if op == "save" else "load"
+            row[op]["x_device"] = bound[bound_op]["median_s"] / row[op]["median_s"] if bound else None
+    sync = by_name.get("fastpersist")
     for row in rows:
         if "blocking" in row and sync:
             row["blocking"]["pct_of_sync_save"] = 100 * row["blocking"]["median_s"] / sync["save"]["median_s"]
-    notes = [SHIM_NOTE] if "torch_dist" in cfg.contenders and not torch.cuda.is_available() else []
+    torch_dist_ran = any(name.startswith("torch_dist") for name in cfg.contenders)
+    notes = [SHIM_NOTE] if torch_dist_ran and not torch.cuda.is_available() else []
     return {"config": asdict(cfg), "bytes": nbytes, "hidden": shape.hidden, "layers": shape.layers,
             "load_cache": "dropped (posix_fadvise DONTNEED)", "results": rows, "notes": notes}
 
 
+def _cell(o: Optional[dict]) -> str:
+    if o is None:
+        return f"{'-':>21} {'':>6} {'':>7} {'':>8}"
+    ratios = [f"{o[k]:.2f}x" if o.get(k) is not None else "" for k in ("x_device", "x_torch_dist")]
+    return f" {o['median_s']:>7.2f} ({o['min_s']:.2f}..{o['max_s']:.2f})".rjust(21) + \
+        f" {o['gib_s']:>6.2f} {ratios[0]:>7} {ratios[1]:>8}"
+
+
 def format_table(rep: dict) -> str:
-    """The report as a fixed-width text table."""
+    """The report as a fixed-width text table, with bytes per rank and the async figures below it."""
+    cfg = rep["config"]
     lines = [
         f"state: {rep['bytes'] / GiB:.2f} GiB (GPT hidden={rep['hidden']}, layers={rep['layers']}), "
-        f"{rep['config']['ranks']} ranks, TP={rep['config']['tp']}, median of {rep['config']['reps']} "
+        f"{cfg['ranks']} ranks, TP={cfg['tp']} x DP={cfg['ranks'] // cfg['tp']}, median of {cfg['reps']} "
         f"(min..max); saves fsynced; 'load' same sharding, 'reshard' TP splits moved to the other axis; "
-        f"page cache {rep['load_cache']}",
-        "".join([f"{'contender':<18}"] + [f" {op + ' s':>20} {'GiB/s':>6} {'x t_dist':>8}" for op in OPS]),
+        f"page cache {rep['load_cache']}; x dev = device bound time / time, x t_dist = torch_dist time / time",
+        "".join([f"{'contender':<26}"] + [f" {op + ' s':>20} {'GiB/s':>6} {'x dev':>7} {'x t_dist':>8}" for op in OPS]),
     ]
     for r in rep["results"]:
-        cells = [f"{r['name']:<18}"]
-        for op in OPS:
-            o = r[op]
-            ratio = "" if o["x_torch_dist"] is None else f"{o['x_torch_dist']:.2f}x"
-            cells.append(f" {o['median_s']:>7.2f} ({o['min_s']:.2f}..{o['max_s']:.2f})".rjust(21))
-            cells.append(f" {o['gib_s']:>6.2f} {ratio:>8}")
-        lines.append("".join(cells))
+        lines.append("".join([f"{r['name']:<26}"] + [_cell(r.get(op)) for op in OPS]))
     for r in rep["results"]:
+        lines.append(f"  {r['name']}: {r['what']}")
+        if "bytes_per_rank" in r:
+            per_rank = r["bytes_per_rank"]
+            mean = sum(per_rank) / len(per_rank)
+            lines.append(f"    bytes written per rank: {', '.join(f'{b / GiB:.3f}' for b in per_rank)} GiB "
+                         f"(max/mean {max(per_rank) / mean if mean else 1:.2f})")
         if "blocking" in r:
             b = r["blocking"]
             pct = f" = {b['pct_of_sync_save']:.0f}% of the synchronous save" if "pct_of_sync_save" in b else ""
             lines.append(
-                f"{r['name']}: the save call blocked {b['median_s']:.3f} s ({b['min_s']:.3f}..{b['max_s']:.3f}){pct}; "
+                f"    the save call blocked {b['median_s']:.3f} s ({b['min_s']:.3f}..{b['max_s']:.3f}){pct}; "
                 f"durable after {r['save']['median_s']:.2f} s; extra host memory: one snapshot of each rank's "
-                f"share, {rep['bytes'] / rep['config']['ranks'] / GiB:.2f} GiB per rank on average, reused across saves"
+                f"share, {rep['bytes'] / cfg['ranks'] / GiB:.2f} GiB per rank on average, reused across saves"
             )
     lines.extend(f"note: {n}" for n in rep["notes"])
     return "\n".join(lines)
-
-
-def main_bench(cfg: BenchConfig, json_path: Optional[str]) -> int:
-    """Entry point of ``fastpersist-dist bench``."""
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-    rep = run(cfg)
-    print(format_table(rep))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rep, f, indent=1)
-    return 0

@@ -51,6 +51,11 @@ class ShardReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def open_all(self, names: set[str]) -> None:
+        """Open (and size-check) ``names`` now, before reads run on several threads."""
+        for name in sorted(names):
+            self._fd(name)
+
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
         if fd is None:

@@ -5,6 +5,11 @@ page-locked double bounce buffer). Its traps are handled here: it opens without
 ``O_TRUNC`` (we unlink first), it reports failed aio writes nowhere (we check
 the file size after the final fsync), and some filesystems refuse O_DIRECT (we
 fall back, once warned, to a buffered writer producing identical bytes).
+
+Because a failed aio write can leave a file of the right size with wrong bytes
+(a hole, a stale bounce-buffer half), a few checksum blocks are read back from
+the device after fsync and compared with what was streamed (see
+:func:`confirm_on_disk`) before the rank reports success.
 """
 
 from __future__ import annotations
@@ -18,16 +23,23 @@ from typing import Protocol
 
 import torch
 
-from ..checksum import block_checksums
+from ..checksum import block_checksums, digest_bytes
 from ..config import MiB, WriteConfig
 from ..errors import FastPersistError
 from ..format import ShardRecord, with_checksums
-from .deepspeed_ops import aio_available, aio_module, aio_resources, ensure_fast_file_writer_usable
+from ..timing import Phases
+from .deepspeed_ops import (
+    aio_available,
+    aio_module,
+    aio_resources,
+    ensure_fast_file_writer_usable,
+)
 
 logger = logging.getLogger(__name__)
 
 MODE_DIRECT = "direct"
 MODE_BUFFERED = "buffered"
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 _warned: set[object] = set()
 
 
@@ -136,13 +148,74 @@ class WriteResult:
     mode: str
 
 
+def _readback_blocks(records: list[ShardRecord], block: int, stride: int) -> list[tuple[ShardRecord, int]]:
+    """(record, block index) of the blocks to re-read: the file's first and last, and every ``stride``-th."""
+    blocks = [(r, i) for r in sorted(records, key=lambda r: r.offset) for i in range(len(r.checksums))]
+    picked = {0, len(blocks) - 1} if blocks else set()
+    if stride > 0:
+        picked.update(range(0, len(blocks), stride))
+    return [blocks[i] for i in sorted(picked)]
+
+
+def confirm_on_disk(path: str, records: list[ShardRecord], block_bytes: int, rank: int, stride: int = 0) -> int:
+    """Re-read sampled checksum blocks of ``path`` from the device and compare them; returns bytes read.
+
+    DeepSpeed's aio path reports no failed write, and the size check after fsync
+    cannot see a hole or misplaced bytes inside the file. The sampled pages are
+    dropped from the page cache first (clean after fsync), so the buffered
+    ``pread`` sees what the device holds, not what the writer left in memory.
+    Raises naming the file, byte offset, key and rank of the first mismatch.
+    """
+    nbytes = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for record, i in _readback_blocks(records, block_bytes, stride):
+            start = record.offset + i * block_bytes
+            length = min(block_bytes, record.length - i * block_bytes)
+            lo = start // _PAGE * _PAGE
+            os.posix_fadvise(fd, lo, -(-(start + length - lo) // _PAGE) * _PAGE, os.POSIX_FADV_DONTNEED)
+            data = os.pread(fd, length, start)
+            nbytes += len(data)
+            if len(data) != length or digest_bytes(data) != record.checksums[i]:
+                short = "" if len(data) == length else f" (short read: {len(data)} bytes)"
+                raise FastPersistError(
+                    f"rank {rank}: read-back of {path} at byte offset {start} (block {i} of {record.describe()}) "
+                    f"does not match the bytes written{short}: "
+                    "the storage did not persist what it acknowledged (silent aio or device failure)"
+                )
+    finally:
+        os.close(fd)
+    return nbytes
+
+
+def _free_space(path: str) -> str:
+    """Free bytes on ``path``'s filesystem, to tell a full disk from an I/O error in a message."""
+    st = os.statvfs(os.path.dirname(path) or ".")
+    return f"{st.f_bavail * st.f_frsize} bytes"
+
+
+def _remove_partial(path: str) -> None:
+    """A failed rank's file is never committed: free its space (a full disk needs it most)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        logger.warning("fastpersist: could not remove the partial file %s", path, exc_info=True)
+
+
 def write_rank_file(
-    path: str, shards: list[tuple[ShardRecord, torch.Tensor]], cfg: WriteConfig, rank: int
+    path: str,
+    shards: list[tuple[ShardRecord, torch.Tensor]],
+    cfg: WriteConfig,
+    rank: int,
 ) -> WriteResult:
     """Write ``shards`` (records placed by the planner, 1-D uint8 host data) to ``path`` durably.
 
     Returns the records with their checksums. Raises if the file on disk does
-    not hold exactly the planned bytes after fsync.
+    not hold exactly the planned bytes after fsync, or if a block read back (see
+    :func:`confirm_on_disk`; ``cfg.readback_stride`` None skips it) differs. A file
+    left by a failed write is removed.
     """
     start_time = time.perf_counter()
     block = cfg.checksum_block_bytes
@@ -153,7 +226,41 @@ def write_rank_file(
     try:
         sink = _open_sink(path, cfg)
     except OSError as e:
+        _remove_partial(path)
         raise FastPersistError(f"rank {rank}: cannot open {path} for writing: {e}") from e
+    phases = Phases()
+    try:
+        out = _stream(path, sink, shards, block, chunk, rank, phases)
+        os.chmod(path, 0o644)  # FastFileWriter creates files with mode 0o777 (minus umask)
+        size = os.stat(path).st_size
+        if size != expected:
+            raise FastPersistError(
+                f"rank {rank}: {path} holds {size} bytes after fsync, expected {expected} "
+                f"({sink.mode} writes failed silently: {_free_space(path)} free there; disk full or I/O error?)"
+            )
+        phases.mark("size check")
+        checked = 0 if cfg.readback_stride is None else confirm_on_disk(path, out, block, rank, cfg.readback_stride)
+        phases.mark(f"read back {checked / MiB:.0f} MiB")
+    except BaseException:
+        _remove_partial(path)
+        raise
+    seconds = time.perf_counter() - start_time
+    logger.info(
+        "fastpersist: rank %d wrote %.3f GiB to %s in %.2f s (%.2f GiB/s, %s): %s",
+        rank, expected / 2**30, path, seconds, expected / 2**30 / max(seconds, 1e-9), sink.mode, phases,
+    )
+    return WriteResult(out, expected, seconds, sink.mode)
+
+
+def _stream(
+    path: str, sink: _Sink, shards: list[tuple[ShardRecord, torch.Tensor]], block: int, chunk: int, rank: int,
+    phases: Phases,
+) -> list[ShardRecord]:
+    """Push every shard through ``sink``, checksumming as bytes pass; close (fsync) it.
+
+    ``phases`` gets "checksum", "copy+aio" (bounce-buffer copies and the aio
+    waits the double buffer cannot hide) and "flush+fsync".
+    """
     out: list[ShardRecord] = []
     try:
         for record, data in shards:
@@ -162,10 +269,13 @@ def write_rank_file(
             for pos in range(0, record.length, chunk):
                 piece = data[pos : pos + chunk]
                 sums.extend(block_checksums(piece.numpy(), block))
+                phases.mark("checksum")
                 sink.write(piece)
+                phases.mark("copy+aio")
             out.append(with_checksums(record, sums))
         where = "flushing and fsyncing"
         sink.close()
+        phases.mark("flush+fsync")
     except Exception as e:
         if where != "flushing and fsyncing":
             try:
@@ -173,16 +283,4 @@ def write_rank_file(
             except Exception:  # noqa: BLE001 - the first error is the one to report
                 logger.debug("closing %s after a failed write also failed", path, exc_info=True)
         raise FastPersistError(f"rank {rank}: {where} in {path} failed: {type(e).__name__}: {e}") from e
-    os.chmod(path, 0o644)  # FastFileWriter creates files with mode 0o777 (minus umask)
-    size = os.stat(path).st_size
-    if size != expected:
-        raise FastPersistError(
-            f"rank {rank}: {path} holds {size} bytes after fsync, expected {expected} "
-            f"({sink.mode} writes failed silently: disk full or I/O error?)"
-        )
-    seconds = time.perf_counter() - start_time
-    logger.info(
-        "fastpersist: rank %d wrote %.3f GiB to %s in %.2f s (%.2f GiB/s, %s)",
-        rank, expected / 2**30, path, seconds, expected / 2**30 / max(seconds, 1e-9), sink.mode,
-    )
-    return WriteResult(out, expected, seconds, sink.mode)
+    return out

@@ -15,6 +15,7 @@ import math
 import pickle
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Union
 
@@ -98,12 +99,22 @@ class _Loader:
         self.nbytes += covered * dtype_from_name(records[0].dtype).itemsize
         return dest
 
-    def run(self) -> None:
-        """Execute the planned reads sorted by file and offset: sequential I/O, whatever the dict order."""
+    def run(self, threads: int) -> None:
+        """Execute the planned reads sorted by file and offset: sequential I/O, whatever the dict order.
+
+        With ``threads`` > 1, consecutive reads run on a small pool, so one
+        read's I/O overlaps another's checksum and copy (all release the GIL).
+        """
         self.reads.sort(key=lambda r: (r[0].file, r[0].offset + r[1].byte_start))
-        for rec, ext, sub_off, shape, view in self.reads:
-            self.reader.read_box(rec, ext, sub_off, shape, view)
-        self.reads.clear()
+        reads, self.reads = self.reads, []
+        if threads <= 1 or len(reads) < 2:
+            for rec, ext, sub_off, shape, view in reads:
+                self.reader.read_box(rec, ext, sub_off, shape, view)
+            return
+        self.reader.open_all({rec.file for rec, *_ in reads})
+        with ThreadPoolExecutor(threads, thread_name_prefix="fastpersist-read") as pool:
+            for done in [pool.submit(self.reader.read_box, *read) for read in reads]:
+                done.result()
 
     def load_object(self, sh: ShardedObject) -> Any:
         rec = self.objects.get((sh.key, tuple(sh.global_offset)))
@@ -130,11 +141,16 @@ class FastPersistLoadStrategy(LoadShardedStrategy):
         verify_checksums: check the XXH3 checksum of every block read (default on).
         trust_objects: unpickle ShardedObjects without torch's ``weights_only``
             restriction. Only for checkpoints from a trusted source.
+        read_threads: reads in flight per rank (I/O of one overlaps the checksum
+            and copy of another).
     """
 
-    def __init__(self, verify_checksums: bool = True, trust_objects: bool = False):
+    def __init__(self, verify_checksums: bool = True, trust_objects: bool = False, read_threads: int = 2):
+        if read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         self.verify_checksums = verify_checksums
         self.trust_objects = trust_objects
+        self.read_threads = read_threads
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -163,7 +179,7 @@ class FastPersistLoadStrategy(LoadShardedStrategy):
         with ShardReader(str(checkpoint_dir), index, self.verify_checksums, f"rank {rank}") as reader:
             loader = _Loader(index, reader, rank, self.trust_objects)
             dict_list_map_inplace(loader.load, sharded_state_dict)
-            loader.run()
+            loader.run(self.read_threads)
         seconds = time.perf_counter() - start
         logger.info(
             "fastpersist: rank %d loaded %.3f GiB from %s in %.2f s (%.2f GiB/s, checksums %s)",

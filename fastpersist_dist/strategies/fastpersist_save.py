@@ -1,7 +1,8 @@
 """``FastPersistSaveStrategy``: megatron's async save contract over our write path.
 
-The adapter only sequences the pieces: stage (validate, host bytes), agree on
-success across ranks, prepare the directory, place records, and hand back an
+The adapter only sequences the pieces: stage (describe what this rank holds),
+exchange descriptions and agree on a write plan across ranks (one collective),
+prepare the directory, take host bytes of this rank's share, and hand back an
 ``AsyncRequest`` whose ``async_fn`` writes the data file and whose finalize
 commits the index. ``save`` runs the very same request synchronously.
 """
@@ -25,10 +26,11 @@ from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStr
 from ..commit import check_target_directory, finalize_save, invalidate, write_status
 from ..config import WriteConfig
 from ..errors import FastPersistError, SaveFailedError
-from ..format import BACKEND, BACKEND_VERSION, ShardRecord, data_file_name
-from ..plan import coverage_errors, place_in_rank_file
-from ..staging import SnapshotPool, stage, to_host_bytes
+from ..format import BACKEND, BACKEND_VERSION, data_file_name
+from ..plan import PlanCache, PlanError, place_in_rank_file
+from ..staging import SnapshotPool, assign, stage, to_host_bytes
 from ..storage.writer import preload_ops, write_rank_file
+from ..timing import Phases
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +54,20 @@ def _write_and_report(checkpoint_dir: str, shards: list, config: WriteConfig, ra
     write_status(checkpoint_dir, rank, result, None)
 
 
+def _gather(local: Any, what: str) -> list[Any]:
+    """``all_gather_object``; a rank that died or timed out becomes a ``SaveFailedError`` here too."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(gathered, local)
+    except RuntimeError as e:
+        raise SaveFailedError(f"{what}; rank {dist.get_rank()}: a rank died or timed out "
+                              f"before anything was written ({e})") from e
+    return gathered
+
+
 def _agree(local_error: Optional[str], what: str) -> None:
     """Collective: raise the same error on every rank if any rank reported one."""
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, local_error)
-    _raise_if(errors, what)
+    _raise_if(_gather(local_error, what), what)
 
 
 def _raise_if(failures: list[Optional[str]], what: str) -> None:
@@ -65,12 +76,20 @@ def _raise_if(failures: list[Optional[str]], what: str) -> None:
         raise SaveFailedError(f"{what}; nothing was written: " + " | ".join(failures))
 
 
-def _exchange_records(records: list[ShardRecord], local_error: Optional[str], what: str) -> list[ShardRecord]:
-    """Collective: every rank's records (metadata only), or the same error on every rank."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (local_error, records))
+def _exchange(outgoing: Any, local_error: Optional[str], what: str) -> list[Any]:
+    """Collective: every rank's ``outgoing`` (shard metadata), or the same error on every rank."""
+    gathered = _gather((local_error, outgoing), what)
     _raise_if([err for err, _ in gathered], what)
-    return [r for _, recs in gathered for r in recs]
+    return [out for _, out in gathered]
+
+
+def _log_plan(plan: list[list], reused: bool) -> None:
+    per_rank = [sum(r.length for r in records) for records in plan]
+    mean = sum(per_rank) / len(per_rank)
+    logger.info(
+        "fastpersist: write plan %s: %d records, bytes per rank %s (max/mean %.3f)",
+        "reused" if reused else "made", sum(map(len, plan)), per_rank, max(per_rank) / mean if mean else 1.0,
+    )
 
 
 @contextmanager
@@ -103,6 +122,7 @@ class FastPersistSaveStrategy(AsyncSaveShardedStrategy):
             raise ValueError("pass either config= or individual knobs, not both")
         self.config = config or WriteConfig(**knobs)
         self._pool = SnapshotPool()
+        self._plans = PlanCache()
         self._writing: set[str] = set()  # directories of async saves not yet finalized
 
     @property
@@ -111,8 +131,16 @@ class FastPersistSaveStrategy(AsyncSaveShardedStrategy):
         return True
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]) -> None:
-        """Synchronous save: tensors are written from where they are, without a snapshot copy."""
-        self._request(sharded_state_dict, checkpoint_dir, snapshot=False).execute_sync()
+        """Synchronous save: tensors are written from where they are, without a snapshot copy.
+
+        Not ``AsyncRequest.execute_sync``: its bare barrier between the write and
+        the commit would meet a dead rank with gloo's raw error; finalize's own
+        collectives synchronize and report it as ``SaveFailedError``.
+        """
+        request = self._request(sharded_state_dict, checkpoint_dir, snapshot=False)
+        request.async_fn(*request.async_fn_args, **(request.async_fn_kwargs or {}))
+        for finalize in request.finalize_fns:
+            finalize()
 
     def async_save(
         self,
@@ -143,17 +171,26 @@ class FastPersistSaveStrategy(AsyncSaveShardedStrategy):
                 "finalize that one first (e.g. AsyncSaveQueue.maybe_finalize(blocking=True)); its data files were "
                 "not touched (megatron's save() rewrites common.pt before calling the strategy)"
             )
+        phases = Phases()
         error: Optional[str] = None
         staged: list = []
         try:
             staged = stage(sharded_state_dict, rank)
         except FastPersistError as e:
             error = str(e)
-        if rank == 0 and error is None:
+        if error is None:  # every rank: a node-local directory may be missing or read-only on one node only
             error = check_target_directory(ckpt)
         what = f"cannot save checkpoint {ckpt}"
-        all_records = _exchange_records([s.record for s in staged], error, what)
-        _raise_if(coverage_errors(all_records), what)
+        phases.mark("describe")
+        gathered = _exchange(self._plans.outgoing(rank, [s.record for s in staged]), error, what)
+        try:
+            plan = self._plans.plan(gathered, self.config.balance)
+        except PlanError as e:  # the same on every rank: the plan is a function of the gathered data
+            raise SaveFailedError(f"{what}; nothing was written: {e}") from None
+        if rank == 0:
+            _log_plan(plan, self._plans.reused)
+        staged = assign(staged, plan[rank], rank)
+        phases.mark("exchange+plan")
         prep_error = None
         if rank == 0:
             try:
@@ -161,6 +198,7 @@ class FastPersistSaveStrategy(AsyncSaveShardedStrategy):
             except OSError as e:
                 prep_error = f"rank 0: preparing {ckpt} failed: {e}"
         _agree(prep_error, what)
+        phases.mark("invalidate")
         finalize_fns = [partial(finalize_save, ckpt, self.config.checksum_block_bytes)]
         if snapshot:
             # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
@@ -170,6 +208,8 @@ class FastPersistSaveStrategy(AsyncSaveShardedStrategy):
             preload_ops(self.config)
         else:
             to_host_bytes(staged)
+        phases.mark("snapshot" if snapshot else "host bytes")
+        logger.info("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
         records = place_in_rank_file([s.record for s in staged], rank)
         shards = [(r, s.data) for r, s in zip(records, staged)]
         return AsyncRequest(

@@ -1,0 +1,58 @@
+"""The knob search behind WriteConfig's defaults: one knob at a time around the defaults.
+
+Each setting is a full ``bench`` run of the synchronous FastPersist save (and
+its loads) on fresh ranks, so settings do not share an aio handle or page
+cache. The defaults in ``config.py`` are the winners of this search on the
+development machine (README "Knobs").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Callable
+
+from ..config import WriteConfig
+from .runner import BenchConfig, run
+
+# knob -> values tried (the default is always among them)
+SEARCH: dict[str, tuple[Any, ...]] = {
+    "io_buffer_mb": (16, 64, 256),
+    "double_buffer": (True, False),
+    "aio_block_mb": (1, 8, 32),
+    "aio_queue_depth": (4, 8, 32),
+    "aio_intra_op_parallelism": (1, 2),
+}
+
+
+def sweep(base: BenchConfig, progress: Callable[[str], None] = print) -> list[dict]:
+    """Save throughput for each value of each knob, the others at their defaults."""
+    rows = []
+    defaults = WriteConfig()
+    for knob, values in SEARCH.items():
+        for value in values:
+            cfg = dataclasses.replace(base, contenders=("fastpersist",),
+                                      write=dataclasses.replace(defaults, **{knob: value}))
+            progress(f"sweep: {knob}={value}")
+            save = run(cfg, progress=lambda _: None)["results"][0]["save"]
+            rows.append({"knob": knob, "value": value, "default": getattr(defaults, knob) == value, **save})
+    return rows
+
+
+def format_sweep(rows: list[dict], base: BenchConfig) -> str:
+    """The search as a table: save seconds (median, min..max) and GiB/s per knob value."""
+    lines = [f"knob search: {base.ranks} ranks, TP={base.tp}, {base.gib} GiB, median of {base.reps}; "
+             "FastPersist synchronous save, '*' = current default",
+             f"{'knob':<26} {'value':>7} {'save s (min..max)':>21} {'GiB/s':>6}"]
+    for r in rows:
+        value = f"{r['value']}{'*' if r['default'] else ' '}"
+        spread = f"{r['median_s']:.2f} ({r['min_s']:.2f}..{r['max_s']:.2f})"
+        lines.append(f"{r['knob']:<26} {value:>7} {spread:>21} {r['gib_s']:>6.2f}")
+    return "\n".join(lines)
+
+
+def main_sweep(base: BenchConfig) -> int:
+    """Entry point of ``fastpersist-dist sweep``."""
+    rows = sweep(base, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_sweep(rows, base))
+    return 0

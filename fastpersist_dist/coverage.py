@@ -1,0 +1,97 @@
+"""Does a set of records hold every element of every global tensor exactly once? Pure.
+
+Used on the write plan before anything is written (all ranks' records) and by
+``verify`` on a committed index. A shard may be stored whole or as pieces
+(``flattened_range``) written by several ranks; the pieces of one shard must
+tile its elements exactly, and then count as the whole shard.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from .format import KIND_OBJECT, ShardRecord
+
+
+def shard_box(r: ShardRecord) -> tuple[int, ...]:
+    """Shape of the global-tensor box a tensor record's shard covers (prepended axes are 1)."""
+    return (1,) * r.prepend_axis_num + r.local_shape
+
+
+def _piece_errors(key: str, pieces: list[ShardRecord]) -> list[str]:
+    """Pieces of one shard must tile 0..numel of its local shape, without gaps or overlaps."""
+    numel = math.prod(pieces[0].local_shape)
+    at = 0
+    for p in sorted(pieces, key=lambda p: p.flattened_range or (0, numel)):
+        start, stop = p.flattened_range or (0, numel)
+        if start != at:
+            what = "overlap" if start < at else "leave a gap"
+            return [f"tensor '{key}': pieces of the shard at {p.global_offset} {what} at element {min(start, at)}"]
+        at = stop
+    if at != numel:
+        return [f"tensor '{key}': pieces of the shard at {pieces[0].global_offset} end at element {at} of {numel}"]
+    return []
+
+
+def coverage_errors(records: list[ShardRecord]) -> list[str]:
+    """Problems with how ``records`` cover each global tensor; empty when every element is stored once.
+
+    Megatron checks regular grids itself but defers uneven shardings to the
+    backend: here every tensor must be covered exactly once (volumes add up and
+    no two shards overlap) and every object shard must be unique.
+    """
+    errors: list[str] = []
+    shards: dict[str, dict[tuple, list[ShardRecord]]] = {}
+    objects: set[tuple[str, tuple[int, ...]]] = set()
+    for i, r in enumerate(records):
+        if r.kind == KIND_OBJECT:
+            if (r.key, r.global_offset) in objects:
+                errors.append(f"object '{r.key}' shard {r.global_offset} is saved by more than one rank")
+            objects.add((r.key, r.global_offset))
+        else:  # a whole shard is a group of its own; the pieces of one shard form one group
+            shard = (r.global_offset, r.local_shape, i if r.flattened_range is None else "pieces")
+            shards.setdefault(r.key, {}).setdefault(shard, []).append(r)
+    for key, by_shard in shards.items():
+        group = []
+        for pieces in by_shard.values():
+            if len(pieces) > 1 or pieces[0].flattened_range is not None:
+                errors.extend(_piece_errors(key, pieces))
+            group.append(pieces[0])
+        errors.extend(_box_errors(key, group))
+    return errors
+
+
+def _box_errors(key: str, group: list[ShardRecord]) -> list[str]:
+    shapes = {r.global_shape for r in group}
+    if len(shapes) > 1:
+        return [f"tensor '{key}': ranks disagree on the global shape: {sorted(shapes)}"]
+    total = math.prod(group[0].global_shape)
+    have = sum(math.prod(shard_box(r)) for r in group)
+    lo = np.array([r.global_offset for r in group], dtype=np.int64).reshape(len(group), -1)
+    hi = lo + np.array([shard_box(r) for r in group], dtype=np.int64).reshape(len(group), -1)
+    pair = _first_overlap(lo, hi)
+    if pair is not None:
+        i, j = pair
+        return [
+            f"tensor '{key}': shards at {group[i].global_offset} and {group[j].global_offset} overlap "
+            "(each element must have exactly one main replica)"
+        ]
+    if have != total:
+        return [f"tensor '{key}': main replicas cover {have} of {total} elements (shards missing)"]
+    return []
+
+
+def _first_overlap(lo: np.ndarray, hi: np.ndarray, rows: int = 256) -> Optional[tuple[int, int]]:
+    """First pair (i, j), i != j, of boxes [lo, hi) that share an element; rows chunked to bound memory."""
+    for start in range(0, len(lo), rows):
+        a_lo, a_hi = lo[start : start + rows, None], hi[start : start + rows, None]
+        hit = np.all(np.minimum(a_hi, hi[None]) > np.maximum(a_lo, lo[None]), axis=-1)
+        idx = np.arange(len(hit))
+        hit[idx, idx + start] = False
+        if hit.any():
+            i, j = np.argwhere(hit)[0]
+            return int(i) + start, int(j)
+    return None

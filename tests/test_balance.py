@@ -1,0 +1,148 @@
+"""Data-parallel writes on real ranks: TP=2 x DP=2, replicated shards split over their holders, any-sharding loads."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+from fastpersist_dist import FastPersistSaveStrategy
+from fastpersist_dist.async_queue import AsyncSaveQueue
+from fastpersist_dist.format import INDEX_FILE, data_file_name
+from fastpersist_dist.verify import verify_checkpoint
+
+from .helpers import (
+    assert_same,
+    empty_like_request,
+    global_tensor,
+    make_dir,
+    save,
+    sharded,
+)
+from .multiproc import run_ranks
+
+TP, DP = 2, 2
+UNEVEN_ROWS = (3000, 1096)  # a tensor-parallel split that is not even (rows per TP rank)
+SHAPES = {"qkv": (96, 64), "proj": (64, 96), "ln": (64,), "emb": (8192, 512), "huge": (3 * 2**20 + 7,),
+          "uneven": (sum(UNEVEN_ROWS), 1024)}
+
+
+def full(key: str, step: int = 0) -> torch.Tensor:
+    dtype = torch.bfloat16 if key == "proj" else torch.float32
+    return global_tensor(key, SHAPES[key], dtype, salt=step)
+
+
+def tp_dp_state(rank: int, step: int = 0) -> dict:
+    """Rank ``rank`` of TP=2 x DP=2: TP over consecutive ranks; every DP rank holds a replica."""
+    t, d = rank % TP, rank // TP
+
+    def tp_split(key: str, axis: int) -> ShardedTensor:
+        return ShardedTensor.from_rank_offsets(key, full(key, step).chunk(TP, axis)[t].clone(), (axis, t, TP), replica_id=d)
+
+    start = sum(UNEVEN_ROWS[:t])
+    uneven = full("uneven", step)[start : start + UNEVEN_ROWS[t]].clone()
+    return {
+        "qkv": tp_split("qkv", 0), "proj": tp_split("proj", 1), "emb": tp_split("emb", 0),
+        "ln": ShardedTensor.from_rank_offsets("ln", full("ln", step), replica_id=(t, d)),
+        "huge": ShardedTensor.from_rank_offsets("huge", full("huge", step), replica_id=(t, d)),
+        "uneven": ShardedTensor("uneven", uneven, uneven.dtype, tuple(uneven.shape), SHAPES["uneven"],
+                                (start, 0), None, d),
+        "tp_obj": ShardedObject("tp_obj", {"tp": t, "step": step}, (TP,), (t,), replica_id=d),
+        "rank_obj": ShardedObject("rank_obj", [rank, step], (TP * DP,), (rank,)),
+    }
+
+
+def check_loaded(loaded: dict, rank: int, step: int) -> None:
+    for key, sh in tp_dp_state(rank, step).items():
+        if isinstance(sh, ShardedTensor):
+            assert_same(loaded[key], sh.data, f"rank {rank} '{key}'")
+        else:
+            assert loaded[key] == sh.data, (rank, key, loaded[key], sh.data)
+
+
+def template(sd: dict) -> dict:
+    return {k: empty_like_request(v) if isinstance(v, ShardedTensor)
+            else ShardedObject(v.key, None, v.global_shape, v.global_offset, v.replica_id) for k, v in sd.items()}
+
+
+def _save_twice_and_load(rank: int, world: int, root: str) -> list:
+    strategy = FastPersistSaveStrategy()
+    save(tp_dp_state(rank, 0), f"{root}/a", strategy)
+    first_reused = strategy._plans.reused
+    save(tp_dp_state(rank, 1), f"{root}/b", strategy)  # same structure, new values: the plan is reused
+    check_loaded(dist_checkpointing.load(template(tp_dp_state(rank, 1)), f"{root}/b"), rank, 1)
+    check_loaded(dist_checkpointing.load(template(tp_dp_state(rank, 0)), f"{root}/a"), rank, 0)
+    return [first_reused, strategy._plans.reused]
+
+
+def _load_other_sharding(rank: int, world: int, root: str) -> None:
+    """2 ranks: every tensor split on its last axis, or whole (replicated) where it is 1-D."""
+    want = {}
+    for key in SHAPES:
+        g = full(key, 1)
+        want[key] = sharded(key, g, rank, world, g.dim() - 1) if g.dim() > 1 else sharded(key, g, rank, world, None)
+    loaded = dist_checkpointing.load(template(want), f"{root}/b")
+    for key, sh in want.items():
+        assert_same(loaded[key], sh.data, f"resharded '{key}'")
+    objects = {f"tp_obj{t}": ShardedObject("tp_obj", None, (TP,), (t,), replica_id=rank) for t in range(TP)}
+    loaded = dist_checkpointing.load(objects, f"{root}/b")
+    assert [loaded[f"tp_obj{t}"] for t in range(TP)] == [{"tp": t, "step": 1} for t in range(TP)]
+
+
+def test_tp2_dp2_every_rank_writes_its_share_and_loads_reshard(tmp_path):
+    root = str(tmp_path)
+    reused = run_ranks(TP * DP, _save_twice_and_load, root)
+    assert reused == [[False, True]] * (TP * DP)
+    with open(os.path.join(root, "b", INDEX_FILE)) as f:
+        body = json.load(f)["body"]
+    sizes = [body["files"][data_file_name(r)] for r in range(TP * DP)]
+    assert max(sizes) / (sum(sizes) / len(sizes)) <= 1.10, sizes  # 1 MiB split granularity on 11 MiB per rank
+    writers = {}
+    for r in body["records"]:
+        writers.setdefault(r["key"], set()).add(r["file"])
+        if r["key"] == "rank_obj":
+            assert r["file"] == data_file_name(r["global_offset"][0])
+    assert len(writers["huge"]) == TP * DP  # replicated on all four ranks: all four write a piece
+    assert len(writers["emb"]) == DP * TP and len(writers["uneven"]) >= DP
+    assert any(r["flattened_range"] for r in body["records"] if r["key"] == "uneven")
+    report = verify_checkpoint(os.path.join(root, "b"))
+    assert report.ok, report.problems
+    run_ranks(2, _load_other_sharding, root)
+    run_ranks(1, _load_other_sharding, root)
+
+
+def _unbalanced(rank: int, world: int, root: str) -> None:
+    save(tp_dp_state(rank), root, FastPersistSaveStrategy(balance=False))
+    check_loaded(dist_checkpointing.load(template(tp_dp_state(rank)), root), rank, 0)
+
+
+def test_without_balance_only_main_replicas_write(tmp_path):
+    path = str(tmp_path / "c")
+    run_ranks(TP * DP, _unbalanced, path)
+    with open(os.path.join(path, INDEX_FILE)) as f:
+        body = json.load(f)["body"]
+    assert all(r["flattened_range"] is None for r in body["records"])
+    second_dp_rank = {data_file_name(r) for r in range(TP, TP * DP)}
+    assert {r["key"] for r in body["records"] if r["file"] in second_dp_rank} == {"rank_obj"}  # nothing replicated
+
+
+def _async_balanced(rank: int, world: int, path: str) -> None:
+    sd = tp_dp_state(rank, 2)
+    queue = AsyncSaveQueue()
+    make_dir(path)
+    queue.schedule(dist_checkpointing.save(sd, path, sharded_strategy=FastPersistSaveStrategy(),
+                                           async_sharded_save=True))
+    for sh in sd.values():  # training goes on: the snapshot holds the pieces as they were
+        if isinstance(sh, ShardedTensor):
+            sh.data.add_(1)
+    assert queue.maybe_finalize(blocking=True) == [1]
+    check_loaded(dist_checkpointing.load(template(tp_dp_state(rank, 2)), path), rank, 2)
+
+
+def test_async_save_snapshots_only_this_ranks_pieces(tmp_path):
+    path = str(tmp_path / "d")
+    run_ranks(TP * DP, _async_balanced, path)
+    assert verify_checkpoint(path).ok

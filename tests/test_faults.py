@@ -1,0 +1,642 @@
+"""Crashes, hangs, a full disk, read-only and missing directories: real processes, real files.
+
+Ranks are forked by :func:`run_faulty`, which, unlike ``run_ranks``, expects some
+ranks to die: a rank is killed with SIGKILL at a deterministic point (while
+its data file is written: the kernel signals it at a fixed file size through
+RLIMIT_FSIZE; or after writing, by itself), and the test checks what the
+survivors raise, that they raise at all (the harness deadline bounds every
+wait), and what the directory holds afterwards. Small filesystems are tmpfs
+mounts (we run as root); those tests skip, saying why, where mounting is refused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_module
+import resource
+import signal
+import socket
+import subprocess
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.core import CheckpointingException
+
+from fastpersist_dist import (
+    AsyncSaveQueue,
+    FastPersistError,
+    FastPersistLoadStrategy,
+    FastPersistSaveStrategy,
+    IncompleteCheckpointError,
+    SaveFailedError,
+)
+from fastpersist_dist.commit import prepare_checkpoint_dir
+from fastpersist_dist.config import MiB, WriteConfig
+from fastpersist_dist.format import (
+    INDEX_FILE,
+    ShardRecord,
+    data_file_name,
+    status_file_name,
+)
+from fastpersist_dist.storage.writer import confirm_on_disk, write_rank_file
+from fastpersist_dist.verify import verify_checkpoint
+
+from .helpers import assert_same, global_tensor, make_dir, save, sharded
+from .multiproc import run_ranks
+
+logger = logging.getLogger(__name__)
+
+BIG = (2048, 4096)  # float32: 16 MiB per rank of 2
+SMALL = (64, 256)
+KILL_AT = 4 * MiB  # a victim dies when its data file reaches this size
+DEAD_PEER = "a rank died or timed out"
+
+
+# --------------------------------------------------------------------------- harness
+
+
+@dataclass
+class Outcome:
+    """How one rank ended: returned ``value``, raised (``value`` is the traceback), or was killed."""
+
+    kind: str  # "ok", "raised", "killed", "stopped"
+    value: Any = None
+
+
+def _entry(rank: int, world: int, port: int, pg_timeout: float, fn: Callable, args: tuple, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
+        out.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        out.put((rank, "raised", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_faulty(
+    world: int, fn: Callable, *args: Any, pg_timeout: float = 120, deadline: float = 240,
+    wait_for: Optional[set[int]] = None,
+) -> dict[int, Outcome]:
+    """Run ``fn(rank, world, *args)`` on forked gloo ranks, some of which are expected to die.
+
+    Waits until every rank in ``wait_for`` (default: all) reported or was killed;
+    the others are then SIGKILLed ("stopped"). A rank still running at
+    ``deadline`` seconds fails the test: that is the hang this harness exists to catch.
+    """
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, pg_timeout, fn, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    waiting = set(range(world)) if wait_for is None else set(wait_for)
+    results: dict[int, Outcome] = {}
+    end = time.monotonic() + deadline
+    try:
+        while waiting - results.keys():
+            for r in waiting - results.keys():
+                code = procs[r].exitcode
+                if code is not None and code < 0:
+                    results[r] = Outcome("killed", -code)
+            if not waiting - results.keys():
+                break
+            if time.monotonic() > end:
+                raise AssertionError(f"ranks {sorted(waiting - results.keys())} hung past {deadline} s; got {results}")
+            try:
+                rank, kind, value = out.get(timeout=0.2)
+                results[rank] = Outcome(kind, value)
+            except queue_module.Empty:
+                pass
+    finally:
+        for r, p in enumerate(procs):
+            if p.is_alive() and r not in waiting:
+                p.kill()
+                results.setdefault(r, Outcome("stopped"))
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results
+
+
+def _die_at_file_size(limit: int) -> None:
+    """SIGKILL this process as soon as it writes a file past ``limit`` bytes.
+
+    The kernel raises SIGXFSZ at exactly that point (RLIMIT_FSIZE); the handler
+    turns it into SIGKILL, i.e. a crash in the middle of the write. Both the
+    limit and the handler are inherited by processes forked from here on.
+    """
+    signal.signal(signal.SIGXFSZ, lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+
+def _live_again() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+
+
+def _sd(key: str, shape: tuple[int, int], rank: int, world: int, salt: int, split: Any = 0) -> dict:
+    return {key: sharded(key, global_tensor(key, shape, salt=salt), rank, world, split)}
+
+
+@dataclass(repr=False)
+class Raised:
+    """What a call that had to fail raised, and after how long (logged, never asserted)."""
+
+    kind: str
+    message: str
+    seconds: float
+    trace: str
+
+    def __repr__(self) -> str:  # what a failing assertion shows
+        return f"{self.kind} after {self.seconds:.2f} s:\n{self.trace}"
+
+
+def _save_error(call: Callable[[], Any]) -> Raised:
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return Raised(type(e).__name__, str(e), time.monotonic() - start, traceback.format_exc())
+    raise AssertionError("the call was expected to fail")
+
+
+def _files(path: str, pattern: str = "fastpersist") -> list[str]:
+    return sorted(n for n in os.listdir(path) if pattern in n)
+
+
+# --------------------------------------------------------------------------- checks after a crash
+
+
+def _load_and_verify(rank: int, world: int, path: str, key: str, shape: tuple[int, int], salt: int) -> None:
+    want = global_tensor(key, shape, salt=salt)
+    req = {key: ShardedTensor.from_rank_offsets(key, torch.zeros_like(want), replica_id=rank)}
+    assert_same(dist_checkpointing.load(req, path)[key], want, f"{path}:{key}")
+    report = verify_checkpoint(path)
+    assert report.ok, report.problems
+
+
+def _refused(rank: int, world: int, path: str, key: str, shape: tuple[int, int], metadata: bool) -> list[str]:
+    """Every way to open ``path`` refuses it; returns the messages."""
+    req = {key: ShardedTensor.from_rank_offsets(key, torch.zeros(shape), replica_id=rank)}
+    messages = []
+    with pytest.raises(IncompleteCheckpointError) as ours:
+        FastPersistLoadStrategy().load(req, path)
+    messages.append(str(ours.value))
+    # megatron refuses a directory without metadata.json before asking any strategy;
+    # after a failed overwrite the old metadata.json is there and our loader refuses.
+    expected = IncompleteCheckpointError if metadata else CheckpointingException
+    with pytest.raises(expected) as theirs:
+        dist_checkpointing.load(req, path)
+    messages.append(str(theirs.value))
+    return messages
+
+
+def _assert_incomplete_and_prev_intact(new: str, prev: str, key: str, shape: tuple[int, int], metadata: bool) -> None:
+    assert not os.path.exists(os.path.join(new, INDEX_FILE))
+    assert os.path.exists(os.path.join(new, "metadata.json")) == metadata
+    ours, theirs = run_ranks(1, _refused, new, key, shape, metadata)[0]
+    assert "this checkpoint is incomplete" in ours and new in ours, ours
+    assert ("this checkpoint is incomplete" if metadata else "is not a distributed checkpoint") in theirs, theirs
+    problems = verify_checkpoint(new).problems
+    assert any("this checkpoint is incomplete" in p for p in problems), problems
+    run_ranks(1, _load_and_verify, prev, "s", SMALL, 1)
+
+
+def _assert_survivors_raised(outcomes: dict[int, Outcome], victim: int, new: str) -> None:
+    """The victim died of SIGKILL; every other rank raised SaveFailedError (the harness deadline bounds the wait)."""
+    assert outcomes[victim].kind == "killed" and outcomes[victim].value == signal.SIGKILL, outcomes[victim]
+    for r, o in outcomes.items():
+        if r == victim:
+            continue
+        assert o.kind == "ok", o.value
+        e = o.value
+        logger.info("rank %d raised %s after %.2f s: %s", r, e.kind, e.seconds, e.message)
+        assert e.kind == "SaveFailedError" and DEAD_PEER in e.message, e
+        assert new in e.message and f"rank {r}:" in e.message, e
+        if r == 0:
+            assert "nothing was committed" in e.message, e
+
+
+# --------------------------------------------------------------------------- 1. SIGKILL
+
+
+def _die_while_writing(rank: int, world: int, root: str, victim: int) -> Raised:
+    save(_sd("s", SMALL, rank, world, 1), f"{root}/prev")
+    if rank == victim:
+        _die_at_file_size(KILL_AT)
+    return _save_error(lambda: save(_sd("w", BIG, rank, world, 2), f"{root}/new"))
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_rank_killed_while_writing_commits_nothing(tmp_path, victim):
+    root = str(tmp_path)
+    outcomes = run_faulty(2, _die_while_writing, root, victim)
+    new = f"{root}/new"
+    _assert_survivors_raised(outcomes, victim, new)
+    partial = os.path.getsize(os.path.join(new, data_file_name(victim)))
+    assert 0 < partial <= KILL_AT < BIG[0] * BIG[1] * 4 // 2, partial  # killed in the middle of its file
+    _assert_incomplete_and_prev_intact(new, f"{root}/prev", "w", BIG, metadata=False)
+
+
+def _die_after_writing(rank: int, world: int, root: str, victim: int) -> Raised:
+    save(_sd("s", SMALL, rank, world, 1), f"{root}/prev")
+    make_dir(f"{root}/new")
+    request = dist_checkpointing.save(_sd("w", BIG, rank, world, 2), f"{root}/new",
+                                      sharded_strategy=FastPersistSaveStrategy(), async_sharded_save=True)
+    request.async_fn(*request.async_fn_args, **(request.async_fn_kwargs or {}))  # data file + status written
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def finalize() -> None:
+        for fn in request.finalize_fns:
+            fn()
+
+    return _save_error(finalize)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_rank_killed_after_writing_before_commit_commits_nothing(tmp_path, victim):
+    root = str(tmp_path)
+    outcomes = run_faulty(2, _die_after_writing, root, victim)
+    new = f"{root}/new"
+    _assert_survivors_raised(outcomes, victim, new)
+    assert os.path.getsize(os.path.join(new, data_file_name(victim))) == BIG[0] * BIG[1] * 4 // 2  # fully written
+    assert os.path.exists(os.path.join(new, status_file_name(victim)))  # ... and reported, but never committed
+    _assert_incomplete_and_prev_intact(new, f"{root}/prev", "w", BIG, metadata=False)
+
+
+def _overwrite_and_die(rank: int, world: int, root: str, victim: int) -> Raised:
+    save(_sd("s", SMALL, rank, world, 1), f"{root}/prev")
+    save(_sd("w", BIG, rank, world, 1), f"{root}/ckpt")
+    if rank == victim:
+        _die_at_file_size(KILL_AT)
+    return _save_error(lambda: save(_sd("w", BIG, rank, world, 2), f"{root}/ckpt"))
+
+
+def test_overwrite_killed_half_way_is_refused_not_mixed(tmp_path):
+    root, victim = str(tmp_path), 1
+    outcomes = run_faulty(2, _overwrite_and_die, root, victim)
+    ckpt = f"{root}/ckpt"
+    _assert_survivors_raised(outcomes, victim, ckpt)
+    # rank 0's file holds new bytes, rank 1's is cut short: with the old index this would load
+    # half-new data. The index was removed before the first byte was written, so nothing loads.
+    assert os.path.getsize(os.path.join(ckpt, data_file_name(victim))) <= KILL_AT
+    _assert_incomplete_and_prev_intact(ckpt, f"{root}/prev", "w", BIG, metadata=True)
+
+
+def _async_writer_killed(rank: int, world: int, root: str) -> tuple[Raised, None]:
+    strategy, queue = FastPersistSaveStrategy(), AsyncSaveQueue()
+    make_dir(f"{root}/new")
+    request = dist_checkpointing.save(_sd("w", BIG, rank, world, 2), f"{root}/new",
+                                      sharded_strategy=strategy, async_sharded_save=True)
+    if rank == 1:
+        _die_at_file_size(KILL_AT)  # inherited by the forked writer only: restored here at once
+    queue.schedule(request)
+    _live_again()
+    error = _save_error(lambda: queue.maybe_finalize(blocking=True))
+    make_dir(f"{root}/again")  # the trainers survived: the next save works
+    queue.schedule(dist_checkpointing.save(_sd("w", BIG, rank, world, 3), f"{root}/again",
+                                           sharded_strategy=strategy, async_sharded_save=True))
+    queue.close()
+    return error, None
+
+
+def test_async_writer_killed_fails_on_every_rank_and_the_next_save_works(tmp_path):
+    root = str(tmp_path)
+    outcomes = run_faulty(2, _async_writer_killed, root)
+    new = f"{root}/new"
+    for o in outcomes.values():
+        assert o.kind == "ok", o.value
+        e = o.value[0]
+        assert e.kind == "SaveFailedError" and "was NOT saved" in e.message, e
+        assert f"rank 1: the writer of {os.path.join(new, data_file_name(1))} left no readable status" in e.message, e
+    assert _files(new) == [], "a failed save removes its data files"
+    run_ranks(2, _load_and_verify, f"{root}/again", "w", BIG, 3)
+
+
+def _trainer_killed(rank: int, world: int, root: str, pid_file: str) -> Raised:
+    queue = AsyncSaveQueue()
+    make_dir(f"{root}/new")
+    queue.schedule(dist_checkpointing.save(_sd("w", BIG, rank, world, 2), f"{root}/new",
+                                           sharded_strategy=FastPersistSaveStrategy(), async_sharded_save=True))
+    if rank == 1:
+        (writer,) = mp.active_children()
+        data = f"{root}/new/{data_file_name(rank)}"
+        while not os.path.exists(data):  # the writer opens its file after arming its parent-death signal
+            time.sleep(0.01)
+        os.kill(writer.pid, signal.SIGSTOP)  # certainly still in progress when its trainer dies
+        with open(pid_file, "w") as f:
+            f.write(str(writer.pid))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _save_error(lambda: queue.maybe_finalize(blocking=True))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_trainer_takes_its_async_writer_along(tmp_path):
+    root, pid_file = str(tmp_path), str(tmp_path / "writer.pid")
+    outcomes = run_faulty(2, _trainer_killed, root, pid_file)
+    assert outcomes[1].kind == "killed", outcomes[1]
+    e = outcomes[0].value
+    logger.info("rank 0 raised %s after %.2f s: %s", e.kind, e.seconds, e.message)
+    assert e.kind == "SaveFailedError" and DEAD_PEER in e.message and "it was not committed" in e.message, e
+    with open(pid_file) as f:
+        writer = int(f.read())
+    try:
+        end = time.monotonic() + 30  # the kernel's parent-death signal, not a timing assertion
+        while _alive(writer) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not _alive(writer), f"the writer {writer} of the killed trainer is still alive (orphaned)"
+    finally:
+        if _alive(writer):
+            os.kill(writer, signal.SIGKILL)
+    assert not os.path.exists(f"{root}/new/{INDEX_FILE}")
+
+
+def _freeze_after_writing(rank: int, world: int, root: str) -> Raised:
+    make_dir(f"{root}/new")
+    request = dist_checkpointing.save(_sd("w", SMALL, rank, world, 2), f"{root}/new",
+                                      sharded_strategy=FastPersistSaveStrategy(), async_sharded_save=True)
+    request.async_fn(*request.async_fn_args, **(request.async_fn_kwargs or {}))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # hung, not dead: its sockets stay open
+
+    def finalize() -> None:
+        for fn in request.finalize_fns:
+            fn()
+
+    return _save_error(finalize)
+
+
+def test_hung_rank_is_bounded_by_the_process_group_timeout(tmp_path):
+    root = str(tmp_path)
+    outcomes = run_faulty(2, _freeze_after_writing, root, pg_timeout=10, wait_for={0})
+    assert outcomes[1].kind == "stopped"
+    e = outcomes[0].value
+    logger.info("rank 0 raised after %.2f s with a 10 s process-group timeout: %s", e.seconds, e.message)
+    assert e.kind == "SaveFailedError" and DEAD_PEER in e.message and "nothing was committed" in e.message, e
+    assert not os.path.exists(f"{root}/new/{INDEX_FILE}")
+
+
+# --------------------------------------------------------------------------- 2. read-back
+
+
+def _records(lengths: list[int], rank: int) -> list[tuple[ShardRecord, torch.Tensor]]:
+    shards, offset = [], 0
+    for i, n in enumerate(lengths):
+        data = torch.from_numpy(np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8))
+        record = ShardRecord(
+            key=f"r{i}", kind="tensor", dtype="uint8", local_shape=(n,), global_shape=(n,), global_offset=(0,),
+            axis_fragmentations=None, prepend_axis_num=0, flattened_range=None, replica_id=0,
+            file=data_file_name(rank), offset=offset, length=n, checksums=(),
+        )
+        shards.append((record, data))
+        offset += n
+    return shards
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _readback(rank: int, world: int, root: str) -> None:
+    # In a forked process: the aio handle and torch's thread pool stay out of the pytest process.
+    rank, block = 3, MiB
+    path = os.path.join(root, data_file_name(rank))
+    lengths = [5 * MiB // 2, 0, 3 * MiB + 5]  # blocks in file order: r0 0..2 (last short), r2 0..3 (last 5 bytes)
+    result = write_rank_file(path, _records(lengths, rank), WriteConfig(checksum_block_mb=1), rank)
+    assert result.mode == "direct" and os.path.getsize(path) == sum(lengths)
+    records = result.records
+    assert confirm_on_disk(path, records, block, rank) == MiB + 5  # default: first and last block of the file
+    assert confirm_on_disk(path, records, block, rank, stride=1) == sum(lengths)
+
+    _flip(path, lengths[0] + MiB + 7)  # inside block 1 of r2: not sampled by default
+    assert confirm_on_disk(path, records, block, rank) == MiB + 5
+    with pytest.raises(FastPersistError) as info:
+        confirm_on_disk(path, records, block, rank, stride=1)
+    message = str(info.value)
+    assert f"rank {rank}: read-back of {path} at byte offset {lengths[0] + MiB}" in message, message
+    assert "(block 1 of 'r2'" in message and "does not match the bytes written" in message, message
+
+    _flip(path, sum(lengths) - 1)  # the 5-byte tail, which DeepSpeed writes without O_DIRECT
+    with pytest.raises(FastPersistError, match=f"at byte offset {sum(lengths) - 5} \\(block 3 of 'r2'"):
+        confirm_on_disk(path, records, block, rank)
+
+
+def test_readback_compares_sampled_blocks_with_what_was_streamed(tmp_path):
+    run_ranks(1, _readback, str(tmp_path))
+
+
+# --------------------------------------------------------------------------- 3. full disk, 4. read-only
+
+
+@pytest.fixture
+def small_fs(tmp_path) -> Iterator[str]:
+    """An 8 MiB tmpfs, unmounted afterwards."""
+    mnt = str(tmp_path / "fs")
+    os.makedirs(mnt)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", mnt], check=False,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN): {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", mnt], check=False)
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", mnt], check=False)
+
+
+def _remount(mnt: str, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", mnt], check=True)
+
+
+# rank 0 holds one 64 KiB row, rank 1 the other 12 MiB: rank 1 cannot fit in 8 MiB.
+UNEVEN = (193, 16384)
+UNEVEN_SPLIT = (1, 192)
+
+
+def _fill_the_disk(rank: int, world: int, fs: str) -> tuple[Raised, list[str]]:
+    save(_sd("s", SMALL, rank, world, 1), f"{fs}/prev")
+    save(_sd("s", SMALL, rank, world, 1), f"{fs}/over")
+    error = _save_error(lambda: save(_sd("u", UNEVEN, rank, world, 2, UNEVEN_SPLIT), f"{fs}/over"))
+    refused = _refused(rank, world, f"{fs}/over", "u", UNEVEN, metadata=True)
+    leftovers = _files(f"{fs}/over", "fastpersist_r")
+    dist.barrier()
+    save(_sd("s", SMALL, rank, world, 3), f"{fs}/over")  # the space of the failed save was given back
+    return error, [*refused, *leftovers]
+
+
+def test_disk_full_fails_on_every_rank_and_keeps_the_earlier_checkpoint(small_fs):
+    outcomes = run_faulty(2, _fill_the_disk, small_fs)
+    for o in outcomes.values():
+        assert o.kind == "ok", o.value
+        e, (ours, theirs, *leftovers) = o.value
+        logger.info("disk full: %s", e.message)
+        assert e.kind == "SaveFailedError" and "was NOT saved" in e.message, e
+        assert "rank 1:" in e.message and os.path.join(small_fs, "over", data_file_name(1)) in e.message, e
+        assert "this checkpoint is incomplete" in ours and "this checkpoint is incomplete" in theirs
+        assert leftovers == [], "a failed save removes its data files"
+    run_ranks(1, _load_and_verify, f"{small_fs}/prev", "s", SMALL, 1)
+    run_ranks(1, _load_and_verify, f"{small_fs}/over", "s", SMALL, 3)
+
+
+def _full_at_commit(rank: int, world: int, fs: str) -> Raised:
+    save(_sd("s", SMALL, rank, world, 1), f"{fs}/prev")
+    make_dir(f"{fs}/new")
+    request = dist_checkpointing.save(_sd("w", (256, 4096), rank, world, 2), f"{fs}/new",
+                                      sharded_strategy=FastPersistSaveStrategy(), async_sharded_save=True)
+    request.async_fn(*request.async_fn_args, **(request.async_fn_kwargs or {}))
+    dist.barrier()
+    filler = f"{fs}/filler"
+    if rank == 0:  # the data fit; now nothing else does, not even the index
+        fd = os.open(filler, os.O_CREAT | os.O_WRONLY)
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                os.write(fd, b"\0" * MiB)
+        os.close(fd)
+    dist.barrier()
+
+    def finalize() -> None:
+        for fn in request.finalize_fns:
+            fn()
+
+    error = _save_error(finalize)
+    dist.barrier()
+    if rank == 0:
+        os.unlink(filler)
+    return error
+
+
+def test_disk_full_at_commit_commits_nothing(small_fs):
+    outcomes = run_faulty(2, _full_at_commit, small_fs)
+    for o in outcomes.values():
+        assert o.kind == "ok", o.value
+        e = o.value
+        assert e.kind == "SaveFailedError" and f"rank 0: committing {INDEX_FILE} failed" in e.message, e
+        assert "No space left on device" in e.message, e
+    assert _files(f"{small_fs}/new") == [], "no index, no temp file, no data files"
+    run_ranks(1, _load_and_verify, f"{small_fs}/prev", "s", SMALL, 1)
+
+
+def _read_only(rank: int, world: int, fs: str) -> list[str]:
+    sd = _sd("s", SMALL, rank, world, 2)
+    with pytest.raises(SaveFailedError) as prepared:
+        prepare_checkpoint_dir(f"{fs}/ckpt")
+    with pytest.raises(SaveFailedError) as created:
+        prepare_checkpoint_dir(f"{fs}/missing")
+    with pytest.raises(SaveFailedError) as strategy:
+        FastPersistSaveStrategy().save(sd, f"{fs}/ckpt")
+    return [str(prepared.value), str(created.value), str(strategy.value)]
+
+
+def _save_prev_and_ckpt(rank: int, world: int, fs: str) -> None:
+    save(_sd("s", SMALL, rank, world, 1), f"{fs}/prev")
+    make_dir(f"{fs}/ckpt")
+
+
+def test_read_only_directory_fails_on_every_rank_before_writing(small_fs):
+    run_ranks(2, _save_prev_and_ckpt, small_fs)
+    _remount(small_fs, "ro")
+    ckpt = f"{small_fs}/ckpt"
+    for prepared, created, strategy in run_ranks(2, _read_only, small_fs):
+        for r in range(2):
+            assert f"rank {r}: checkpoint directory {ckpt} is not writable: Read-only file system" in prepared, prepared
+        assert f"rank 0: cannot create {small_fs}/missing: Read-only file system" in created, created
+        assert f"cannot save checkpoint {ckpt}; nothing was written" in strategy, strategy
+        assert "Read-only file system" in strategy, strategy
+    assert os.listdir(f"{small_fs}/ckpt") == []
+    run_ranks(1, _load_and_verify, f"{small_fs}/prev", "s", SMALL, 1)
+
+
+def _missing(rank: int, world: int, root: str) -> list[str]:
+    path = f"{root}/missing"
+    with pytest.raises(SaveFailedError) as prepared:
+        prepare_checkpoint_dir(path, create=False)
+    with pytest.raises(SaveFailedError) as strategy:
+        FastPersistSaveStrategy().save(_sd("s", SMALL, rank, world, 2), path)
+    prepare_checkpoint_dir(path)  # creates it: then the save works
+    dist_checkpointing.save(_sd("s", SMALL, rank, world, 2), path, sharded_strategy=FastPersistSaveStrategy())
+    return [str(prepared.value), str(strategy.value)]
+
+
+def test_missing_directory_fails_on_every_rank_before_writing(tmp_path):
+    root = str(tmp_path)
+    for prepared, strategy in run_ranks(2, _missing, root):
+        for text in (prepared, strategy):
+            assert f"checkpoint directory {root}/missing does not exist" in text, text
+        assert "rank 0:" in prepared and "rank 1:" in prepared, prepared
+    run_ranks(1, _load_and_verify, f"{root}/missing", "s", SMALL, 2)
+
+
+def _megatron_save_into(rank: int, world: int, path: str) -> Raised:
+    return _save_error(lambda: dist_checkpointing.save(_sd("s", SMALL, rank, world, 2), path,
+                                                       sharded_strategy=FastPersistSaveStrategy()))
+
+
+@pytest.mark.parametrize("case", ["missing", "read_only"])
+def test_megatron_save_into_unusable_directory_fails_on_rank_0_and_unblocks_the_rest(request, tmp_path, case):
+    if case == "read_only":
+        fs = request.getfixturevalue("small_fs")
+        path = f"{fs}/ckpt"
+        os.makedirs(path)
+        _remount(fs, "ro")
+    else:
+        path = str(tmp_path / "ckpt")
+    outcomes = run_faulty(2, _megatron_save_into, path)
+    e = outcomes[0].value
+    # megatron lists the directory (missing: FileNotFoundError naming it) and writes common.pt
+    # (read-only: torch.save's RuntimeError, which names no file) on rank 0 before any strategy runs
+    if case == "missing":
+        assert e.kind == "FileNotFoundError" and path in e.message, e
+    else:
+        assert "Read-only file system" in e.message and "save_common" in e.trace, e
+    other = outcomes[1]
+    assert other.kind == "ok", other.value  # rank 1 raised too (it waited in a collective for rank 0)
+    logger.info("rank 1 raised %s after %.2f s: %s", other.value.kind, other.value.seconds, other.value.message)
+    assert not os.path.exists(path) or os.listdir(path) == []
+
+
+# --------------------------------------------------------------------------- 5. untrusted common.pt
+
+
+def _load_hostile_common(rank: int, world: int, path: str) -> None:
+    req = {"s": ShardedTensor.from_rank_offsets("s", torch.zeros(SMALL), replica_id=rank)}
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        dist_checkpointing.load(req, path)
+
+
+def test_hostile_common_pt_is_refused_by_torch_weights_only(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(1, lambda rank, world: save(_sd("s", SMALL, rank, world, 1), path))
+    torch.save({"hook": os.getcwd}, os.path.join(path, "common.pt"))  # any global outside the allow-list
+    run_ranks(1, _load_hostile_common, path)
