@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
     from .config import WriteConfig
@@ -113,14 +113,22 @@ def _sweep(args: argparse.Namespace) -> int:
                                          directory=args.dir))
 
 
-def _verify(args: argparse.Namespace) -> int:
+def _examine(command: str, examine: Callable[[str], Any], directory: str) -> Any:
+    """``examine(directory)``, or None after printing why the directory cannot be examined (exit code 2)."""
     from .errors import FastPersistError
-    from .verify import verify_checkpoint
 
     try:
-        report = verify_checkpoint(args.directory)
+        return examine(directory)
     except FastPersistError as e:
-        print(f"verify: {e}", file=sys.stderr)
+        print(f"{command}: {e}", file=sys.stderr)
+        return None
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import verify_checkpoint
+
+    report = _examine("verify", verify_checkpoint, args.directory)
+    if report is None:
         return 2
     for problem in report.problems:
         print(f"PROBLEM: {problem}")
@@ -133,13 +141,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .errors import FastPersistError
     from .inspect_ckpt import format_report, inspect_checkpoint
 
-    try:
-        report = inspect_checkpoint(args.directory)
-    except FastPersistError as e:
-        print(f"inspect: {e}", file=sys.stderr)
+    report = _examine("inspect", inspect_checkpoint, args.directory)
+    if report is None:
         return 2
     print(json.dumps(report.to_json(), indent=1) if args.json else format_report(report))
     for problem in report.problems:

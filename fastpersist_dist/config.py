@@ -33,7 +33,7 @@ class WriteConfig:
     """
 
     direct_io: DirectIO = "auto"
-    io_buffer_mb: int = 64
+    io_buffer_mb: int = 256
     double_buffer: bool = True
     aio_block_mb: int = 8
     aio_queue_depth: int = 8

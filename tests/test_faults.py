@@ -18,9 +18,11 @@ import os
 import pickle
 import queue as queue_module
 import resource
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -50,6 +52,7 @@ from fastpersist_dist.format import (
     data_file_name,
     status_file_name,
 )
+from fastpersist_dist.storage.deepspeed_ops import aio_module, ensure_fast_file_writer_usable
 from fastpersist_dist.storage.writer import confirm_on_disk, write_rank_file
 from fastpersist_dist.verify import verify_checkpoint
 
@@ -244,17 +247,6 @@ def _die_while_writing(rank: int, world: int, root: str, victim: int) -> Raised:
     return _save_error(lambda: save(_sd("w", BIG, rank, world, 2), f"{root}/new"))
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_rank_killed_while_writing_commits_nothing(tmp_path, victim):
-    root = str(tmp_path)
-    outcomes = run_faulty(2, _die_while_writing, root, victim)
-    new = f"{root}/new"
-    _assert_survivors_raised(outcomes, victim, new)
-    partial = os.path.getsize(os.path.join(new, data_file_name(victim)))
-    assert 0 < partial <= KILL_AT < BIG[0] * BIG[1] * 4 // 2, partial  # killed in the middle of its file
-    _assert_incomplete_and_prev_intact(new, f"{root}/prev", "w", BIG, metadata=False)
-
-
 def _die_after_writing(rank: int, world: int, root: str, victim: int) -> Raised:
     save(_sd("s", SMALL, rank, world, 1), f"{root}/prev")
     make_dir(f"{root}/new")
@@ -272,13 +264,18 @@ def _die_after_writing(rank: int, world: int, root: str, victim: int) -> Raised:
 
 
 @pytest.mark.parametrize("victim", [0, 1])
-def test_rank_killed_after_writing_before_commit_commits_nothing(tmp_path, victim):
+@pytest.mark.parametrize("die", [_die_while_writing, _die_after_writing], ids=["while_writing", "before_commit"])
+def test_rank_killed_commits_nothing(tmp_path, victim, die):
     root = str(tmp_path)
-    outcomes = run_faulty(2, _die_after_writing, root, victim)
+    outcomes = run_faulty(2, die, root, victim)
     new = f"{root}/new"
     _assert_survivors_raised(outcomes, victim, new)
-    assert os.path.getsize(os.path.join(new, data_file_name(victim))) == BIG[0] * BIG[1] * 4 // 2  # fully written
-    assert os.path.exists(os.path.join(new, status_file_name(victim)))  # ... and reported, but never committed
+    size, full = os.path.getsize(os.path.join(new, data_file_name(victim))), BIG[0] * BIG[1] * 4 // 2
+    if die is _die_while_writing:
+        assert 0 < size <= KILL_AT < full, size  # killed in the middle of its file
+    else:
+        assert size == full, size  # fully written ...
+        assert os.path.exists(os.path.join(new, status_file_name(victim)))  # ... and reported, never committed
     _assert_incomplete_and_prev_intact(new, f"{root}/prev", "w", BIG, metadata=False)
 
 
@@ -640,3 +637,27 @@ def test_hostile_common_pt_is_refused_by_torch_weights_only(tmp_path):
     run_ranks(1, lambda rank, world: save(_sd("s", SMALL, rank, world, 1), path))
     torch.save({"hook": os.getcwd}, os.path.join(path, "common.pt"))  # any global outside the allow-list
     run_ranks(1, _load_hostile_common, path)
+
+
+def _memlock_limited(rank: int, world: int, root: str) -> list[str]:
+    ensure_fast_file_writer_usable()  # as root: loading the ops takes a lock file in their build directory
+    aio_module()
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (8 * MiB, 8 * MiB))  # a desktop's default
+    os.setuid(65534)  # nobody: root's CAP_IPC_LOCK would ignore the limit
+    path = os.path.join(root, data_file_name(rank))
+    lengths = [3 * MiB, 7]
+    result = write_rank_file(path, _records(lengths, rank), WriteConfig(), rank)
+    assert result.mode == "buffered" and os.path.getsize(path) == sum(lengths)
+    with pytest.raises(FastPersistError) as info:
+        write_rank_file(path, _records(lengths, rank), WriteConfig(direct_io="on"), rank)
+    return [str(info.value)]
+
+
+def test_bounce_buffer_over_memlock_limit_falls_back_or_says_why():
+    root = tempfile.mkdtemp(prefix="fastpersist-memlock-")
+    os.chmod(root, 0o777)
+    try:
+        message = run_ranks(1, _memlock_limited, root)[0][0]
+    finally:
+        shutil.rmtree(root)
+    assert "direct_io='on' but the 256 MiB bounce buffer exceeds RLIMIT_MEMLOCK (8 MiB)" in message, message

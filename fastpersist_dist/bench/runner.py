@@ -11,6 +11,7 @@ so loads read from the device.
 from __future__ import annotations
 
 import datetime
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -49,6 +50,7 @@ class BenchConfig:
     contenders: tuple[str, ...] = DEFAULT_CONTENDERS
     keep: bool = False
     write: WriteConfig = field(default_factory=WriteConfig)
+    loads: bool = True  # also time the loads (the knob search needs saves only)
 
 
 @dataclass
@@ -105,6 +107,7 @@ def _bytes_per_rank(ckpt: str) -> list[int]:
 
 def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its SSD-endurance warning on every aio write
     try:
         dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, timeout=datetime.timedelta(minutes=30))
         shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
@@ -117,6 +120,7 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
             contender = CONTENDERS[name]
             res = Result(name)
             loads = [(res.load_s, sd)] + ([(res.reshard_s, resharded)] if contender.reshards else [])
+            loads = loads if cfg.loads else []
             for rep in range(cfg.reps):
                 ckpt = os.path.join(cfg.directory, f"{name}-{rep}")
                 if rank == 0:
@@ -188,7 +192,8 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
     return report(cfg, shape, results)
 
 
-def _summary(times: list[float], nbytes: int) -> dict[str, float]:
+def summary(times: list[float], nbytes: int) -> dict[str, float]:
+    """Median, min and max seconds of repetitions, and GiB/s at the median."""
     med = statistics.median(times)
     return {"median_s": med, "min_s": min(times), "max_s": max(times), "gib_s": nbytes / GiB / med}
 
@@ -207,7 +212,7 @@ def report(cfg: BenchConfig, shape: GptShape, results: list[Result]) -> dict:
         for op, times in (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s),
                           ("blocking", res.blocking_s)):
             if times:
-                row[op] = _summary(times, nbytes)
+                row[op] = summary(times, nbytes)
         if res.bytes_per_rank:
             row["bytes_per_rank"] = res.bytes_per_rank
         rows.append(row)
@@ -219,7 +224,7 @@ def report(cfg: BenchConfig, shape: GptShape, results: list[Result]) -> dict:
                 continue
             row[op]["x_torch_dist"] = base[op]["median_s"] / row[op]["median_s"] if base and op in base else None
             bound_op = "save" if op == "save" else "load"
-            row[op]["x_device"] = bound[bound_op]["median_s"] / row[op]["median_s"] if bound else None
+            row[op]["x_device"] = bound[bound_op]["median_s"] / row[op]["median_s"] if bound and bound_op in bound else None
     sync = by_name.get("fastpersist")
     for row in rows:
         if "blocking" in row and sync:

@@ -1,8 +1,7 @@
 """The knob search behind WriteConfig's defaults: one knob at a time around the defaults.
 
-Each setting is a full ``bench`` run of the synchronous FastPersist save (and
-its loads) on fresh ranks, so settings do not share an aio handle or page
-cache. The defaults in ``config.py`` are the winners of this search on the
+Each repetition of each setting is a ``bench`` run of the synchronous
+FastPersist save on fresh ranks, so settings share no aio handle or state. The defaults in ``config.py`` are the winners of this search on the
 development machine (README "Knobs").
 """
 
@@ -13,7 +12,7 @@ import sys
 from typing import Any, Callable
 
 from ..config import WriteConfig
-from .runner import BenchConfig, run
+from .runner import BenchConfig, run, summary
 
 # knob -> values tried (the default is always among them)
 SEARCH: dict[str, tuple[Any, ...]] = {
@@ -26,17 +25,25 @@ SEARCH: dict[str, tuple[Any, ...]] = {
 
 
 def sweep(base: BenchConfig, progress: Callable[[str], None] = print) -> list[dict]:
-    """Save throughput for each value of each knob, the others at their defaults."""
-    rows = []
+    """Save throughput for each value of each knob, the others at their defaults.
+
+    Repetitions are interleaved (every setting once, then again), so a drift of
+    the device over the minutes of the search affects every setting alike.
+    """
     defaults = WriteConfig()
-    for knob, values in SEARCH.items():
-        for value in values:
-            cfg = dataclasses.replace(base, contenders=("fastpersist",),
+    settings = [(knob, value) for knob, values in SEARCH.items() for value in values]
+    times: dict[tuple[str, Any], list[float]] = {s: [] for s in settings}
+    nbytes = 0
+    for rep in range(base.reps):
+        for knob, value in settings:
+            cfg = dataclasses.replace(base, contenders=("fastpersist",), loads=False, reps=1,
                                       write=dataclasses.replace(defaults, **{knob: value}))
-            progress(f"sweep: {knob}={value}")
-            save = run(cfg, progress=lambda _: None)["results"][0]["save"]
-            rows.append({"knob": knob, "value": value, "default": getattr(defaults, knob) == value, **save})
-    return rows
+            progress(f"sweep {rep + 1}/{base.reps}: {knob}={value}")
+            rep_report = run(cfg, progress=lambda _: None)
+            nbytes = rep_report["bytes"]
+            times[(knob, value)].append(rep_report["results"][0]["save"]["median_s"])
+    return [{"knob": knob, "value": value, "default": getattr(defaults, knob) == value,
+             **summary(times[(knob, value)], nbytes)} for knob, value in settings]
 
 
 def format_sweep(rows: list[dict], base: BenchConfig) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -74,11 +75,30 @@ class AioSettings:
     buffer_bytes: int
 
 
+class LockedMemoryError(RuntimeError):
+    """The bounce buffer cannot be page-locked under this process's RLIMIT_MEMLOCK."""
+
+
+def _check_memlock(nbytes: int) -> None:
+    """DeepSpeed's locked allocation fails (returning NULL) past RLIMIT_MEMLOCK: say so up front.
+
+    root (CAP_IPC_LOCK) is not limited; GPU clusters usually set the limit to
+    unlimited for RDMA, desktops often leave it at 8 MiB.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if os.geteuid() != 0 and soft != resource.RLIM_INFINITY and soft < nbytes:
+        raise LockedMemoryError(
+            f"the {nbytes >> 20} MiB bounce buffer exceeds RLIMIT_MEMLOCK ({soft >> 20} MiB): "
+            "raise it (ulimit -l unlimited, or LimitMEMLOCK= in systemd/containers) or lower io_buffer_mb"
+        )
+
+
 class AioResources:
     """An aio handle and its page-locked bounce buffer, owned by one process."""
 
     def __init__(self, settings: AioSettings):
         mod = aio_module()
+        _check_memlock(settings.buffer_bytes)
         self.settings = settings
         self.handle = mod.aio_handle(
             settings.block_size, settings.queue_depth, False, True, settings.intra_op_parallelism

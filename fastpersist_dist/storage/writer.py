@@ -29,6 +29,7 @@ from ..errors import FastPersistError
 from ..format import ShardRecord, with_checksums
 from ..timing import Phases
 from .deepspeed_ops import (
+    LockedMemoryError,
     aio_available,
     aio_module,
     aio_resources,
@@ -130,6 +131,11 @@ def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
         return _BufferedSink(path)
     try:
         return _DirectSink(path, cfg)
+    except LockedMemoryError as e:
+        if cfg.direct_io == "on":
+            raise FastPersistError(f"direct_io='on' but {e}") from e
+        _warn_once("memlock", str(e))
+        return _BufferedSink(path)
     except OSError as e:
         if e.errno != errno.EINVAL or cfg.direct_io == "on":
             raise
