@@ -49,8 +49,8 @@ class _Active:
     started: float
 
 
-def _flag_device() -> torch.device:
-    """Where the all-reduced 'still writing' flag must live for this process group's backend."""
+def collective_device() -> torch.device:
+    """Where tensors for collectives must live under this process group's backend (NCCL: the GPU)."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -114,7 +114,7 @@ class AsyncSaveQueue:
             head = self._active[0]
             if blocking and head.process is not None:
                 head.process.join()
-            writing = torch.tensor([int(head.process is not None and head.process.is_alive())], device=_flag_device())
+            writing = torch.tensor([int(head.process is not None and head.process.is_alive())], device=collective_device())
             try:
                 dist.all_reduce(writing)
             except RuntimeError as e:  # torch's DistError family: a rank died or timed out

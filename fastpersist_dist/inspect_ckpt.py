@@ -114,23 +114,25 @@ def _our_files(checkpoint_dir: str, names: list[str]) -> dict[str, int]:
     return ours
 
 
-def _read_metadata(report: InspectReport) -> None:
-    """Backend and version from megatron's metadata.json, read by megatron's own reader."""
-    path = os.path.join(report.directory, "metadata.json")
+def metadata_backend(checkpoint_dir: str) -> tuple[Optional[str], Optional[int], list[str]]:
+    """Backend, version and problems of megatron's metadata.json, read by megatron's own reader."""
+    path = os.path.join(checkpoint_dir, "metadata.json")
     try:
-        config = maybe_load_config(report.directory)
+        config = maybe_load_config(checkpoint_dir)
     except (OSError, ValueError, TypeError) as e:
-        report.problems.append(f"{path} is unreadable: {e}")
-        return
+        return None, None, [f"{path} is unreadable: {e}"]
     if config is None:
-        report.problems.append(f"{path} is missing: dist_checkpointing.load will refuse this directory")
-        return
-    report.backend, report.backend_version = config.sharded_backend, config.sharded_backend_version
-    if (report.backend, report.backend_version) != (BACKEND, BACKEND_VERSION):
-        report.problems.append(
-            f"{path} names backend {report.backend} version {report.backend_version}, "
-            f"not {BACKEND} version {BACKEND_VERSION}: this is not a FastPersist checkpoint"
-        )
+        return None, None, [f"{path} is missing: dist_checkpointing.load will refuse this directory"]
+    found = (config.sharded_backend, config.sharded_backend_version)
+    if found != (BACKEND, BACKEND_VERSION):
+        return (*found, [f"{path} names backend {found[0]} version {found[1]}, "
+                         f"not {BACKEND} version {BACKEND_VERSION}: this is not a FastPersist checkpoint"])
+    return (*found, [])
+
+
+def _read_metadata(report: InspectReport) -> None:
+    report.backend, report.backend_version, problems = metadata_backend(report.directory)
+    report.problems.extend(problems)
 
 
 def _entries(index: CheckpointIndex, problems: list[str]) -> list[EntrySummary]:

@@ -9,14 +9,13 @@ and no object shard appears twice.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
 from .commit import read_index
 from .coverage import coverage_errors
 from .errors import FastPersistError
-from .format import BACKEND, BACKEND_VERSION
+from .inspect_ckpt import metadata_backend
 from .storage.reader import ShardReader
 
 WHO = "verify"
@@ -38,24 +37,11 @@ class VerifyReport:
         return not self.problems
 
 
-def _check_metadata(checkpoint_dir: str) -> list[str]:
-    path = os.path.join(checkpoint_dir, "metadata.json")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        return [f"{path} is missing: megatron's finalize did not run, dist_checkpointing.load will refuse it"]
-    except (OSError, ValueError) as e:
-        return [f"{path} is unreadable: {e}"]
-    found = (meta.get("sharded_backend"), meta.get("sharded_backend_version"))
-    return [] if found == (BACKEND, BACKEND_VERSION) else [f"{path} names backend {found}, not {(BACKEND, BACKEND_VERSION)}"]
-
-
 def verify_checkpoint(checkpoint_dir: str) -> VerifyReport:
     """Check ``checkpoint_dir`` completely; raises only if it is not a directory."""
     if not os.path.isdir(checkpoint_dir):
         raise FastPersistError(f"{WHO}: {checkpoint_dir} is not a directory")
-    report = VerifyReport(checkpoint_dir, problems=_check_metadata(checkpoint_dir))
+    report = VerifyReport(checkpoint_dir, problems=metadata_backend(checkpoint_dir)[2])
     try:
         index = read_index(checkpoint_dir, WHO)
     except FastPersistError as e:

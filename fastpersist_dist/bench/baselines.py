@@ -28,7 +28,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistSaveShardedStrategy,
 )
 
-from ..async_queue import AsyncSaveQueue
+from ..async_queue import AsyncSaveQueue, collective_device
 from ..config import WriteConfig
 from ..storage.deepspeed_ops import aio_resources
 from ..strategies.fastpersist_save import FastPersistSaveStrategy
@@ -120,7 +120,7 @@ def _torch_save(sd: dict, ckpt: str, _: WriteConfig) -> None:
 
 
 def _torch_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
-    return torch.load(_torch_save_file(ckpt), map_location="cpu", weights_only=True)
+    return torch.load(_torch_save_file(ckpt), weights_only=True)  # onto the devices it was saved from
 
 
 def _bound_file(ckpt: str) -> str:
@@ -130,7 +130,7 @@ def _bound_file(ckpt: str) -> str:
 def _share(sd: dict) -> int:
     """Bytes of this rank's even share of the state (what a balanced writer writes)."""
     main = sum(sh.data.numel() * sh.data.element_size() for sh in sd.values() if is_main_replica(sh.replica_id))
-    total = torch.tensor([main], dtype=torch.int64)
+    total = torch.tensor([main], dtype=torch.int64, device=collective_device())
     dist.all_reduce(total)
     return int(total.item()) // dist.get_world_size()
 

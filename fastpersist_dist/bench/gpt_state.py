@@ -54,8 +54,10 @@ class GptShape:
         return sum(math.prod(s) for s, _ in self.params().values()) * BYTES_PER_PARAM
 
 
-def gpt_sharded_state_dict(shape: GptShape, tp: int, rank: int, world: int, transpose: bool = False) -> dict:
-    """This rank's sharded state dict: TP over consecutive ranks, DP over the rest.
+def gpt_sharded_state_dict(
+    shape: GptShape, tp: int, rank: int, world: int, transpose: bool = False, device: torch.device = torch.device("cpu")
+) -> dict:
+    """This rank's sharded state dict on ``device``: TP over consecutive ranks, DP over the rest.
 
     Values are a function of the global element index, so any sharding of the
     same shape holds consistent data. ``transpose`` splits every TP-split
@@ -71,9 +73,9 @@ def gpt_sharded_state_dict(shape: GptShape, tp: int, rank: int, world: int, tran
             key = f"{kind}.{name}"
             full = global_values(key, gshape, dtype)
             if axis is None:
-                sd[key] = ShardedTensor.from_rank_offsets(key, full, replica_id=(tp_rank, dp_rank))
+                sd[key] = ShardedTensor.from_rank_offsets(key, full.to(device), replica_id=(tp_rank, dp_rank))
             else:
-                local = full.chunk(tp, axis)[tp_rank].clone()
+                local = full.chunk(tp, axis)[tp_rank].to(device, copy=True).contiguous()
                 sd[key] = ShardedTensor.from_rank_offsets(key, local, (axis, tp_rank, tp), replica_id=dp_rank)
     return sd
 

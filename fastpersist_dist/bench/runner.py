@@ -1,6 +1,8 @@
 """The benchmark: FastPersist against the device bound and the alternatives on one GPT-shaped state.
 
-Every contender saves the same state dict from the same ranks into a fresh
+Ranks are forked processes (gloo on CPU; NCCL, one GPU per rank and the state on
+the GPUs where CUDA is available). Every contender saves the same state dict from
+the same ranks into a fresh
 directory under the same target, durably (fsync), and then loads it back
 with the same sharding and, where it can, resharded (tensor-parallel splits
 moved to the other axis), checking every loaded value. Before each load the
@@ -26,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..async_queue import collective_device
 from ..commit import read_index
 from ..config import WriteConfig
 from ..format import INDEX_FILE, data_file_name
@@ -85,7 +88,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -109,10 +112,15 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its SSD-endurance warning on every aio write
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=cfg.ranks, timeout=datetime.timedelta(minutes=30))
+        gpu = torch.cuda.is_available()  # first CUDA call of this (forked) rank: the parent made none
+        if gpu:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=cfg.ranks,
+                                timeout=datetime.timedelta(minutes=30))
         shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
-        sd = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks)
-        resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True)
+        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        sd = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, device=device)
+        resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True, device=device)
         preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
         aio_resources(cfg.write.aio)
         results = []
