@@ -59,6 +59,7 @@ def start_first_save(rank: int, world: int, path: str):
     sd = state(rank, world)
     before = snapshot(sd)
     strategy = FastPersistSaveStrategy()
+    strategy.load_ops()  # as a trainer would at start-up
     queue = AsyncSaveQueue()
     queue.schedule(async_save(sd, path, strategy))
     return sd, before, strategy, queue

@@ -125,6 +125,15 @@ class FastPersistSaveStrategy(AsyncSaveShardedStrategy):
         self._plans = PlanCache()
         self._writing: set[str] = set()  # directories of async saves not yet finalized
 
+    def load_ops(self) -> None:
+        """Load DeepSpeed's native ops in this process now (seconds, once per process).
+
+        ``async_save`` does it before forking its writer, so the first async save
+        of a process blocks that much longer; call this at start-up to move the
+        cost out of the first checkpoint.
+        """
+        preload_ops(self.config)
+
     @property
     def can_handle_sharded_objects(self) -> bool:
         """ShardedObjects go into our data files too (checksummed like tensors)."""
@@ -205,10 +214,12 @@ class FastPersistSaveStrategy(AsyncSaveShardedStrategy):
             finalize_fns[:0] = [partial(self._pool.release, self._pool.snapshot(staged)),
                                 partial(self._writing.discard, target)]
             self._writing.add(target)
-            preload_ops(self.config)
+            phases.mark("snapshot")
+            self.load_ops()
+            phases.mark("load ops")
         else:
             to_host_bytes(staged)
-        phases.mark("snapshot" if snapshot else "host bytes")
+            phases.mark("host bytes")
         logger.info("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
         records = place_in_rank_file([s.record for s in staged], rank)
         shards = [(r, s.data) for r, s in zip(records, staged)]
