@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
+    from .bench.runner import BenchConfig
     from .config import WriteConfig
 
 
@@ -56,12 +57,23 @@ def _write_config(args: argparse.Namespace) -> WriteConfig:
     return WriteConfig(**knobs)
 
 
+def _layout_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why ``--ranks``/``--tp`` describe no TP x DP layout, or None."""
+    return f"--ranks ({args.ranks}) must be a multiple of --tp ({args.tp})" if args.ranks % args.tp else None
+
+
+def _bench_config(args: argparse.Namespace, **fields: Any) -> BenchConfig:
+    """The benchmark state of ``_state_args`` plus ``fields``; logging set up for the run."""
+    from .bench.runner import BenchConfig
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    return BenchConfig(ranks=args.ranks, tp=args.tp, gib=args.gib, reps=args.reps, directory=args.dir, **fields)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .bench.baselines import CONTENDERS, DEFAULT_CONTENDERS
 
-    problems: list[Optional[str]] = []
-    if args.ranks % args.tp:
-        problems.append(f"--ranks ({args.ranks}) must be a multiple of --tp ({args.tp})")
+    problems: list[Optional[str]] = [_layout_problem(args)]
     args.contenders = args.contenders or ",".join(DEFAULT_CONTENDERS)
     unknown = set(args.contenders.split(",")) - set(CONTENDERS)
     if unknown:
@@ -83,11 +95,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench import runner
 
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-    cfg = runner.BenchConfig(
-        ranks=args.ranks, tp=args.tp, gib=args.gib, reps=args.reps, directory=args.dir,
-        contenders=tuple(args.contenders.split(",")), keep=args.keep, write=write,
-    )
+    cfg = _bench_config(args, contenders=tuple(args.contenders.split(",")), keep=args.keep, write=write)
     rep = runner.run(cfg)
     print(runner.format_table(rep))
     if args.json:
@@ -102,15 +110,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    if args.ranks % args.tp:
-        print(f"sweep: --ranks ({args.ranks}) must be a multiple of --tp ({args.tp})", file=sys.stderr)
+    problem = _layout_problem(args)
+    if problem:
+        print(f"sweep: {problem}", file=sys.stderr)
         return 2
-    from .bench import runner
     from .bench.sweep import main_sweep
 
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
-    return main_sweep(runner.BenchConfig(ranks=args.ranks, tp=args.tp, gib=args.gib, reps=args.reps,
-                                         directory=args.dir))
+    return main_sweep(_bench_config(args))
 
 
 def _examine(command: str, examine: Callable[[str], Any], directory: str) -> Any:

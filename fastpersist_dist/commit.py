@@ -99,6 +99,29 @@ def check_target_directory(checkpoint_dir: str) -> Optional[str]:
     return None
 
 
+def gather_or_fail(local: Any, what: str) -> list[Any]:
+    """``all_gather_object``; a rank that died or timed out becomes a ``SaveFailedError`` here too."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(gathered, local)
+    except RuntimeError as e:  # torch's DistError family
+        raise SaveFailedError(f"{what}; rank {dist.get_rank()}: a rank died or timed out "
+                              f"before anything was written ({e})") from e
+    return gathered
+
+
+def raise_if(failures: list[Optional[str]], what: str) -> None:
+    """Raise one ``SaveFailedError`` listing every failure, if there is any (before anything was written)."""
+    failures = [f for f in failures if f]
+    if failures:
+        raise SaveFailedError(f"{what}; nothing was written: " + " | ".join(failures))
+
+
+def agree(local_error: Optional[str], what: str) -> None:
+    """Collective: raise the same error on every rank if any rank reported one."""
+    raise_if(gather_or_fail(local_error, what), what)
+
+
 def prepare_checkpoint_dir(checkpoint_dir: str, create: bool = True) -> None:
     """Collective: create ``checkpoint_dir`` (rank 0) and check that every rank can write it.
 
@@ -109,7 +132,7 @@ def prepare_checkpoint_dir(checkpoint_dir: str, create: bool = True) -> None:
     gone. This raises the same ``SaveFailedError`` on every rank, before anything
     is written.
     """
-    what = f"checkpoint directory {checkpoint_dir} cannot be used; nothing was written"
+    what = f"checkpoint directory {checkpoint_dir} cannot be used"
     created: list[Any] = [None]
     if dist.get_rank() == 0 and create:
         try:
@@ -117,12 +140,8 @@ def prepare_checkpoint_dir(checkpoint_dir: str, create: bool = True) -> None:
         except OSError as e:
             created = [f"rank 0: cannot create {checkpoint_dir}: {e.strerror}"]
     dist.broadcast_object_list(created, src=0)
-    if created[0]:
-        raise SaveFailedError(f"{what}: {created[0]}")
-    problems: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, check_target_directory(checkpoint_dir))
-    if any(problems):
-        raise SaveFailedError(f"{what}: " + " | ".join(p for p in problems if p))
+    raise_if(created, what)
+    agree(check_target_directory(checkpoint_dir), what)
 
 
 def invalidate(checkpoint_dir: str) -> None:
@@ -210,8 +229,7 @@ def finalize_save(checkpoint_dir: str, block_bytes: int) -> None:
     finally:
         _unlink_quietly(os.path.join(checkpoint_dir, status_file_name(rank)))
     if outcome[0]:
-        for name in {data_file_name(rank)} | {r["file"] for r in status.get("records", ())}:
-            _unlink_quietly(os.path.join(checkpoint_dir, name))
+        _unlink_quietly(os.path.join(checkpoint_dir, data_file_name(rank)))  # every record of a rank is in its file
         raise SaveFailedError(
             f"checkpoint {checkpoint_dir} was NOT saved; nothing was committed and the data files were removed. "
             + " | ".join(outcome[0])

@@ -115,13 +115,12 @@ def plan_writes(
     small, water-filled over their holders when large. Raises
     :class:`PlanError` when replicas disagree or a shard has two main replicas.
     """
-    shards = _group(held)
     world = len(held)
     load = [0] * world
     out: list[list[ShardRecord]] = [[] for _ in range(world)]
-    fair_share = sum(s.length for s in shards if s.main_rank is not None) // max(world, 1)
+    planned = [s for s in _group(held) if s.main_rank is not None]  # shards without one: reported by coverage
+    fair_share = sum(s.length for s in planned) // max(world, 1)
     split_above = max(2 * unit, fair_share // SHARE_SLACK)
-    planned = [s for s in shards if s.main_rank is not None]  # shards without one: reported by coverage
     if balance:
         planned.sort(key=lambda s: (len(s.holders), -s.length))  # stable: ties keep key order
     for s in planned:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-GiB = 2**30
+from .runner import GiB
+
 # Known operations first, in the table's order; any other operation found follows.
 OP_ORDER = ("save", "load", "reshard", "blocking")
 OP_LABELS = {"blocking": "save call\n(async, blocking part)"}

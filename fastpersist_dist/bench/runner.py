@@ -138,7 +138,8 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
                 res.save_s.append(_timed(lambda: blocked.append(contender.save(sd, ckpt, cfg.write))))
                 if blocked[0] is not None:
                     res.blocking_s.append(_max_over_ranks(blocked[0]))
-                res.bytes_per_rank = _bytes_per_rank(ckpt)
+                if rep == cfg.reps - 1:
+                    res.bytes_per_rank = _bytes_per_rank(ckpt)
                 for times, expected in loads:
                     if rank == 0:
                         drop_page_cache(ckpt)

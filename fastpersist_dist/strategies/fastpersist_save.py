@@ -23,7 +23,15 @@ from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy
 
-from ..commit import check_target_directory, finalize_save, invalidate, write_status
+from ..commit import (
+    agree,
+    check_target_directory,
+    finalize_save,
+    gather_or_fail,
+    invalidate,
+    raise_if,
+    write_status,
+)
 from ..config import WriteConfig
 from ..errors import FastPersistError, SaveFailedError
 from ..format import BACKEND, BACKEND_VERSION, data_file_name
@@ -54,32 +62,10 @@ def _write_and_report(checkpoint_dir: str, shards: list, config: WriteConfig, ra
     write_status(checkpoint_dir, rank, result, None)
 
 
-def _gather(local: Any, what: str) -> list[Any]:
-    """``all_gather_object``; a rank that died or timed out becomes a ``SaveFailedError`` here too."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    try:
-        dist.all_gather_object(gathered, local)
-    except RuntimeError as e:
-        raise SaveFailedError(f"{what}; rank {dist.get_rank()}: a rank died or timed out "
-                              f"before anything was written ({e})") from e
-    return gathered
-
-
-def _agree(local_error: Optional[str], what: str) -> None:
-    """Collective: raise the same error on every rank if any rank reported one."""
-    _raise_if(_gather(local_error, what), what)
-
-
-def _raise_if(failures: list[Optional[str]], what: str) -> None:
-    failures = [f for f in failures if f]
-    if failures:
-        raise SaveFailedError(f"{what}; nothing was written: " + " | ".join(failures))
-
-
 def _exchange(outgoing: Any, local_error: Optional[str], what: str) -> list[Any]:
     """Collective: every rank's ``outgoing`` (shard metadata), or the same error on every rank."""
-    gathered = _gather((local_error, outgoing), what)
-    _raise_if([err for err, _ in gathered], what)
+    gathered = gather_or_fail((local_error, outgoing), what)
+    raise_if([err for err, _ in gathered], what)
     return [out for _, out in gathered]
 
 
@@ -206,7 +192,7 @@ class FastPersistSaveStrategy(AsyncSaveShardedStrategy):
                 invalidate(ckpt)
             except OSError as e:
                 prep_error = f"rank 0: preparing {ckpt} failed: {e}"
-        _agree(prep_error, what)
+        agree(prep_error, what)
         phases.mark("invalidate")
         finalize_fns = [partial(finalize_save, ckpt, self.config.checksum_block_bytes)]
         if snapshot:
