@@ -66,7 +66,7 @@ def _bench_config(args: argparse.Namespace, **fields: Any) -> BenchConfig:
     """The benchmark state of ``_state_args`` plus ``fields``; logging set up for the run."""
     from .bench.runner import BenchConfig
 
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(message)s", stream=sys.stderr)
     return BenchConfig(ranks=args.ranks, tp=args.tp, gib=args.gib, reps=args.reps, directory=args.dir, **fields)
 
 
@@ -179,6 +179,8 @@ def _state_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gib", type=_positive_float, default=2.0, help="total state size in GiB (default 2)")
     p.add_argument("--reps", type=_positive_int, default=3, help="repetitions per contender (default 3)")
     p.add_argument("--dir", default="bench_out", help="target directory (default ./bench_out)")
+    p.add_argument("--log-level", choices=("WARNING", "INFO"), default="WARNING",
+                   help="INFO also prints each save's profile (phases per rank) and each load's throughput")
 
 
 def parser() -> argparse.ArgumentParser:
