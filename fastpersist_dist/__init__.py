@@ -1,6 +1,7 @@
 """fastpersist-dist: a DeepSpeed DeepNVMe (FastPersist) backend for megatron-core dist_checkpointing.
 
-Importing the package registers the ('fastpersist', 1) save and load strategies.
+On megatron-core 0.16, importing the package registers the ('fastpersist', 1)
+save and load strategies; 0.17+ has no registry (see ``compat``).
 """
 
 from .async_queue import AsyncSaveQueue
@@ -8,11 +9,13 @@ from .commit import prepare_checkpoint_dir
 from .config import WriteConfig
 from .errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
 from .format import BACKEND, BACKEND_VERSION
+from . import compat
 from .registry import register
 from .strategies.fastpersist_load import FastPersistLoadStrategy
 from .strategies.fastpersist_save import FastPersistSaveStrategy
 
-register()
+if compat.REGISTRY:
+    register()
 
 __all__ = [
     "AsyncSaveQueue",

@@ -23,6 +23,46 @@ def digest_bytes(data: Buffer) -> str:
     return f"{xxhash.xxh3_64_intdigest(data):016x}"
 
 
+class BlockHasher:
+    """Block checksums of a byte stream fed in pieces of any size (a record's framing, then its elements).
+
+    Equal to :func:`block_checksums` of the concatenation; whole blocks inside
+    one piece are hashed in one call, only blocks that span pieces incrementally.
+    """
+
+    def __init__(self, block_bytes: int):
+        self.block = block_bytes
+        self.digests: list[str] = []
+        self._partial = xxhash.xxh3_64()
+        self._filled = 0
+
+    def update(self, data: Buffer) -> None:
+        """Feed the next bytes of the stream."""
+        mv = memoryview(data).cast("B")
+        pos = 0
+        while pos < len(mv):
+            take = min(self.block - self._filled, len(mv) - pos)
+            if self._filled == 0 and take == self.block:
+                self.digests.append(digest_bytes(mv[pos : pos + take]))
+            else:
+                self._partial.update(mv[pos : pos + take])
+                self._filled += take
+                if self._filled == self.block:
+                    self._flush()
+            pos += take
+
+    def finish(self) -> list[str]:
+        """Digests of every block, the last one short if the stream ended mid-block."""
+        if self._filled:
+            self._flush()
+        return self.digests
+
+    def _flush(self) -> None:
+        self.digests.append(f"{self._partial.intdigest():016x}")
+        self._partial.reset()
+        self._filled = 0
+
+
 def block_checksums(data: np.ndarray, block_bytes: int) -> list[str]:
     """Checksums of consecutive ``block_bytes`` blocks of a 1-D uint8 array (last may be short)."""
     mv = memoryview(data)

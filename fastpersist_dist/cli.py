@@ -179,8 +179,9 @@ def _state_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gib", type=_positive_float, default=2.0, help="total state size in GiB (default 2)")
     p.add_argument("--reps", type=_positive_int, default=3, help="repetitions per contender (default 3)")
     p.add_argument("--dir", default="bench_out", help="target directory (default ./bench_out)")
-    p.add_argument("--log-level", choices=("WARNING", "INFO"), default="WARNING",
-                   help="INFO also prints each save's profile (phases per rank) and each load's throughput")
+    p.add_argument("--log-level", choices=("WARNING", "INFO", "DEBUG"), default="WARNING",
+                   help="INFO: one summary per save and load (rank 0); DEBUG: also each rank's save profile "
+                        "(phases) and its write and load throughput")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,14 +1,18 @@
 """The commit protocol: invalidate, write, report, commit the index last.
 
-1. Before any data is written, rank 0 removes the old index (the commit marker)
-   and every stale FastPersist file, then fsyncs the directory: a crash from
-   here on leaves a directory that is recognisably incomplete.
+1. Before any data is written, rank 0 removes the old commit markers (our index
+   and DCP's ``.metadata``), fsyncs the directory, then removes every stale data
+   file of either format: a crash from here on leaves a directory that is
+   recognisably incomplete, never old and new files mixed.
 2. Each writer streams its data file, fsyncs it, checks its size, reads
    sampled blocks back from the device and leaves a status file (records +
    checksums, or the error). The writer may run in another process (async
    save), so the status file is the hand-over.
 3. At finalize every rank sends its status to rank 0. Only if all succeeded does
-   rank 0 write the index: temp file, fsync, rename, fsync of the directory.
+   rank 0 commit, each file as temp file, fsync, rename, fsync of the directory:
+   first auxiliary files (megatron's ``common.pt`` on 0.17+), then the index,
+   then, for the ``torch_dist`` format, DCP's ``.metadata``: the format's marker
+   comes last.
    The outcome is broadcast, so every rank raises the same error or none. A
    failed save removes its data files (its space is needed on a full disk); the
    directory stays without index, i.e. incomplete.
@@ -26,17 +30,21 @@ import logging
 import os
 import socket
 import traceback
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .errors import FastPersistError, IncompleteCheckpointError, SaveFailedError
+from .checkpoint_formats import DCP_METADATA_FILE, CheckpointFormat
+from .checksum import digest_bytes
+from .dcp_metadata import metadata_bytes
+from .errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
 from .format import (
-    DATA_FILE_RE,
+    CONTAINER_TORCH_SAVE,
     INDEX_FILE,
     STATUS_FILE_RE,
     CheckpointIndex,
-    data_file_name,
+    is_data_file,
     record_from_json,
     record_to_json,
     status_file_name,
@@ -144,15 +152,25 @@ def prepare_checkpoint_dir(checkpoint_dir: str, create: bool = True) -> None:
     agree(check_target_directory(checkpoint_dir), what)
 
 
+MARKERS = (DCP_METADATA_FILE, INDEX_FILE)  # removed first when overwriting, whichever format wrote them
+
+
 def invalidate(checkpoint_dir: str) -> None:
-    """Remove the commit marker first, then every other FastPersist file (see step 1)."""
-    index = os.path.join(checkpoint_dir, INDEX_FILE)
-    if os.path.lexists(index):
-        os.unlink(index)
+    """Remove the commit markers first, then every stale data, status and temp file (see step 1).
+
+    Data files of both formats go: a stock ``torch_dist`` checkpoint overwritten
+    by us leaves no ``.distcp`` file of its own behind. ``common.pt`` stays:
+    megatron-core 0.16 writes it before the sharded strategy runs.
+    """
+    removed = [m for m in MARKERS if os.path.lexists(os.path.join(checkpoint_dir, m))]
+    for marker in removed:
+        os.unlink(os.path.join(checkpoint_dir, marker))
+    if removed:
         fsync_dir(checkpoint_dir)
-        logger.warning("fastpersist: overwriting the checkpoint in %s; its index was removed first", checkpoint_dir)
+        logger.info("fastpersist: overwriting the checkpoint in %s; its %s removed first",
+                       checkpoint_dir, " and ".join(removed) + (" were" if len(removed) > 1 else " was"))
     for name in os.listdir(checkpoint_dir):
-        if DATA_FILE_RE.match(name) or STATUS_FILE_RE.match(name) or name == f"{INDEX_FILE}.tmp":
+        if is_data_file(name) or STATUS_FILE_RE.match(name) or name.endswith(".tmp"):
             os.unlink(os.path.join(checkpoint_dir, name))
     fsync_dir(checkpoint_dir)
 
@@ -162,7 +180,7 @@ def write_status(checkpoint_dir: str, rank: int, result: Optional[WriteResult], 
     if error is None and result is not None:
         doc: dict[str, Any] = {
             "ok": True, "nbytes": result.nbytes, "seconds": result.seconds, "mode": result.mode,
-            "records": [record_to_json(r) for r in result.records],
+            "records": [record_to_json(r, CONTAINER_TORCH_SAVE) for r in result.records],  # data_offset kept
         }
     else:
         doc = {"ok": False, "error": f"{type(error).__name__}: {error}",
@@ -173,34 +191,65 @@ def write_status(checkpoint_dir: str, rank: int, result: Optional[WriteResult], 
         logger.exception("fastpersist: rank %d could not write its status file in %s", rank, checkpoint_dir)
 
 
-def read_status(checkpoint_dir: str, rank: int) -> dict[str, Any]:
+def read_status(checkpoint_dir: str, rank: int, fmt: CheckpointFormat) -> dict[str, Any]:
     """This rank's status, or a failure status saying why there is none."""
     path = os.path.join(checkpoint_dir, status_file_name(rank))
     try:
         with open(path, "rb") as f:
             return json.loads(f.read())
     except (OSError, ValueError) as e:
-        data = os.path.join(checkpoint_dir, data_file_name(rank))
+        data = os.path.join(checkpoint_dir, fmt.data_file(rank))
         return {"ok": False, "error": f"the writer of {data} left no readable status {path} ({e}); did it crash?"}
 
 
-def build_index(statuses: list[dict[str, Any]], block_bytes: int, checkpoint_dir: str) -> CheckpointIndex:
-    """Merge every rank's records into one validated index."""
+def build_index(
+    statuses: list[dict[str, Any]], block_bytes: int, checkpoint_dir: str, fmt: CheckpointFormat,
+    aux_files: Optional[dict[str, bytes]] = None,
+) -> CheckpointIndex:
+    """Merge every rank's records into one validated index (without the ``.metadata`` digest yet)."""
     files = {}
     for st in statuses:
         for r in st["records"]:
             files[r["file"]] = files.get(r["file"], 0) + r["length"]
     records = tuple(
-        record_from_json(r, f"status of {checkpoint_dir}", files, block_bytes)
+        record_from_json(r, f"status of {checkpoint_dir}", files, block_bytes, fmt.container)
         for st in statuses for r in st["records"]
     )
-    return CheckpointIndex(world_size=len(statuses), checksum_block_bytes=block_bytes, files=files, records=records)
+    return CheckpointIndex(
+        world_size=len(statuses), checksum_block_bytes=block_bytes, files=files, records=records,
+        container=fmt.container, aux_files={n: digest_bytes(b) for n, b in (aux_files or {}).items()},
+    )
 
 
-def finalize_save(checkpoint_dir: str, block_bytes: int) -> None:
-    """Collective: commit the index if every rank wrote its file, else raise everywhere."""
+def _commit_file(checkpoint_dir: str, name: str, data: bytes) -> None:
+    try:
+        atomic_write(os.path.join(checkpoint_dir, name), data)
+    except OSError as e:
+        raise FastPersistError(f"committing {name} failed: {type(e).__name__}: {e}") from e
+
+
+def commit(checkpoint_dir: str, index: CheckpointIndex, fmt: CheckpointFormat, aux_files: dict[str, bytes]) -> None:
+    """Write the auxiliary files, the index, and the format's marker last (see step 3)."""
+    for name, data in aux_files.items():
+        _commit_file(checkpoint_dir, name, data)
+    if fmt.marker == INDEX_FILE:
+        _commit_file(checkpoint_dir, INDEX_FILE, index.to_json_bytes())
+        return
+    metadata = metadata_bytes(list(index.records), checkpoint_dir)
+    index = replace(index, metadata_xxh3_64=digest_bytes(metadata))
+    _commit_file(checkpoint_dir, INDEX_FILE, index.to_json_bytes())
+    _commit_file(checkpoint_dir, fmt.marker, metadata)
+
+
+def finalize_save(
+    checkpoint_dir: str, block_bytes: int, fmt: CheckpointFormat, aux_files: Optional[dict[str, bytes]] = None,
+) -> None:
+    """Collective: commit if every rank wrote its file, else raise everywhere.
+
+    ``aux_files`` (rank 0 only; name -> bytes) are committed with the checkpoint.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    status = read_status(checkpoint_dir, rank)
+    status = read_status(checkpoint_dir, rank, fmt)
     committed = False
     outcome: list[Any] = [None]
     try:
@@ -214,11 +263,13 @@ def finalize_save(checkpoint_dir: str, block_bytes: int) -> None:
             failures = [f"rank {r}: {st['error']}" for r, st in enumerate(gathered) if not st.get("ok")]
             if not failures:
                 try:
-                    index = build_index(gathered, block_bytes, checkpoint_dir)
-                    atomic_write(os.path.join(checkpoint_dir, INDEX_FILE), index.to_json_bytes())
+                    index = build_index(gathered, block_bytes, checkpoint_dir, fmt, aux_files)
+                    commit(checkpoint_dir, index, fmt, aux_files or {})
                     committed = True
+                except FastPersistError as e:  # reported on every rank below
+                    failures = [f"rank 0: {e}"]
                 except Exception as e:  # noqa: BLE001 - reported on every rank below
-                    failures = [f"rank 0: committing {INDEX_FILE} failed: {type(e).__name__}: {e}"]
+                    failures = [f"rank 0: committing the checkpoint failed: {type(e).__name__}: {e}"]
                 if committed:
                     _log_summary(checkpoint_dir, gathered)
             outcome = [failures]
@@ -229,7 +280,7 @@ def finalize_save(checkpoint_dir: str, block_bytes: int) -> None:
     finally:
         _unlink_quietly(os.path.join(checkpoint_dir, status_file_name(rank)))
     if outcome[0]:
-        _unlink_quietly(os.path.join(checkpoint_dir, data_file_name(rank)))  # every record of a rank is in its file
+        _unlink_quietly(os.path.join(checkpoint_dir, fmt.data_file(rank)))  # every record of a rank is in its file
         raise SaveFailedError(
             f"checkpoint {checkpoint_dir} was NOT saved; nothing was committed and the data files were removed. "
             + " | ".join(outcome[0])
@@ -277,4 +328,35 @@ def read_index(checkpoint_dir: str, who: str) -> CheckpointIndex:
         ) from None
     except OSError as e:
         raise FastPersistError(f"{who}: cannot read {path}: {e}") from e
-    return CheckpointIndex.from_json_bytes(data, path)
+    index = CheckpointIndex.from_json_bytes(data, path)
+    if index.container == CONTAINER_TORCH_SAVE:
+        _check_dcp_metadata(str(checkpoint_dir), index, who)
+    elif os.path.lexists(os.path.join(str(checkpoint_dir), DCP_METADATA_FILE)):
+        # Our saves remove both markers first, so this .metadata came later, from another writer.
+        raise CorruptCheckpointError(
+            f"{who}: {checkpoint_dir} holds a native {INDEX_FILE} and a torch DCP {DCP_METADATA_FILE} written "
+            "after it by another writer (e.g. megatron's own torch_dist save into the same directory): which "
+            f"checkpoint is meant is unknown; remove {INDEX_FILE} to load the torch_dist one"
+        )
+    return index
+
+
+def _check_dcp_metadata(checkpoint_dir: str, index: CheckpointIndex, who: str) -> None:
+    """The sidecar index holds only if DCP's ``.metadata`` is the one committed with it."""
+    path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
+    try:
+        with open(path, "rb") as f:
+            digest = digest_bytes(f.read())
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{who}: {checkpoint_dir} has no {DCP_METADATA_FILE}: this torch_dist checkpoint is incomplete "
+            "(its save crashed, failed or is still running) and cannot be loaded"
+        ) from None
+    except OSError as e:
+        raise FastPersistError(f"{who}: cannot read {path}: {e}") from e
+    if digest != index.metadata_xxh3_64:
+        raise CorruptCheckpointError(
+            f"{who}: {path} (XXH3 {digest}) is not the one committed with {INDEX_FILE} "
+            f"(XXH3 {index.metadata_xxh3_64}): it is damaged, or another writer (e.g. megatron's own torch_dist) "
+            f"rewrote this checkpoint; to load such a checkpoint without our checksums, remove {INDEX_FILE}"
+        )

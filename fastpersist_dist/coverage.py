@@ -13,12 +13,26 @@ from typing import Optional
 
 import numpy as np
 
-from .format import KIND_OBJECT, ShardRecord
+from .format import KIND_OBJECT, ShardRecord, itemsize
+from .layout import Extent, flat_range_to_boxes
 
 
 def shard_box(r: ShardRecord) -> tuple[int, ...]:
     """Shape of the global-tensor box a tensor record's shard covers (prepended axes are 1)."""
     return (1,) * r.prepend_axis_num + r.local_shape
+
+
+def record_extents(record: ShardRecord) -> list[Extent]:
+    """The contiguous boxes (global coordinates) a tensor record holds; byte starts count from its elements."""
+    box = shard_box(record)
+    if record.flattened_range is None:
+        return [Extent(record.global_offset, box, 0)]
+    size = itemsize(record.dtype)
+    start, stop = record.flattened_range
+    return [
+        Extent(tuple(g + o for g, o in zip(record.global_offset, off)), shape, (fs - start) * size)
+        for off, shape, fs in flat_range_to_boxes(box, start, stop)
+    ]
 
 
 def _piece_errors(key: str, pieces: list[ShardRecord]) -> list[str]:

@@ -1,16 +1,19 @@
-"""The on-disk format: file names, dtype names, shard records and the index.
+"""The index: file names, dtype names, shard records, and their validation. Pure.
 
-A checkpoint directory holds, next to megatron's own ``metadata.json`` and
-``common.pt``:
+Both checkpoint formats (see ``checkpoint_formats``) keep one JSON index,
+``fastpersist_index.json``, listing every stored record with its file, byte
+range and XXH3 block checksums:
 
-* ``fastpersist_r<rank>.bin`` -- one data file per writing rank: the raw bytes of
-  every shard that rank owns, concatenated, C order, little endian, no header.
-* ``fastpersist_index.json`` -- written last, atomically, by rank 0. Without it
-  the directory is an incomplete checkpoint.
+* ``raw`` container (the native ``fastpersist`` format, index version 1): each
+  ``fastpersist_r<rank>.bin`` holds records back to back, raw elements, no header.
+* ``torch_save`` container (the ``torch_dist`` format, index version 2): each
+  ``__<rank>_0.distcp`` holds torch DCP items; a tensor record is a whole
+  ``torch.save`` archive whose elements start ``data_offset`` bytes in, so the
+  checksums cover every byte torch's own reader parses. The index is a sidecar
+  of DCP's ``.metadata`` and holds that file's XXH3.
 
-The index is plain JSON (see README "On-disk format"): no pickle is needed to
-find, read or verify a tensor. Everything here is pure: no I/O, no
-``torch.distributed``.
+The index is plain JSON (docs/format.md): no pickle is needed to find, read or
+verify a tensor. Everything here is pure: no I/O, no ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -28,19 +31,30 @@ from .errors import CorruptCheckpointError, FastPersistError
 
 BACKEND = "fastpersist"
 BACKEND_VERSION = 1
-FORMAT_VERSION = 1
 INDEX_FILE = "fastpersist_index.json"
 DATA_FILE_RE = re.compile(r"^fastpersist_r(\d{5,})\.bin$")
+DCP_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 STATUS_FILE_RE = re.compile(r"^\.fastpersist_r(\d{5,})\.status\.json$")
 KIND_TENSOR = "tensor"
 KIND_OBJECT = "object"
+CONTAINER_RAW = "raw"
+CONTAINER_TORCH_SAVE = "torch_save"
+# Index version per container: what a reader must understand to use the records.
+FORMAT_VERSIONS = {CONTAINER_RAW: 1, CONTAINER_TORCH_SAVE: 2}
+_FILE_RE = {CONTAINER_RAW: DATA_FILE_RE, CONTAINER_TORCH_SAVE: DCP_FILE_RE}
+_AUX_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a name in the checkpoint directory, no path
 
 ReplicaId = Union[int, tuple[int, ...]]
 
 
-def data_file_name(rank: int) -> str:
-    """Name of the data file written by ``rank``."""
-    return f"fastpersist_r{rank:05d}.bin"
+def data_file_name(rank: int, container: str = CONTAINER_RAW) -> str:
+    """Name of the data file written by ``rank``: ours, or DCP's for the ``torch_save`` container."""
+    return f"__{rank}_0.distcp" if container == CONTAINER_TORCH_SAVE else f"fastpersist_r{rank:05d}.bin"
+
+
+def is_data_file(name: str) -> bool:
+    """Whether ``name`` is a data file of either container."""
+    return any(regex.match(name) for regex in _FILE_RE.values())
 
 
 def status_file_name(rank: int) -> str:
@@ -90,7 +104,9 @@ class ShardRecord:
     """One stored shard: which part of which global tensor (or object), and where its bytes are.
 
     ``flattened_range`` (start, stop), when set, says the record holds only those
-    elements of the C-order flattening of ``local_shape``.
+    elements of the C-order flattening of ``local_shape``. ``offset``/``length``
+    span the whole record in its file; the elements start ``data_offset`` bytes
+    into it (0 without a container).
     """
 
     key: str
@@ -107,6 +123,7 @@ class ShardRecord:
     offset: int
     length: int
     checksums: tuple[str, ...] = field(default=())
+    data_offset: int = 0
 
     @property
     def numel(self) -> int:
@@ -114,6 +131,11 @@ class ShardRecord:
         if self.flattened_range is not None:
             return self.flattened_range[1] - self.flattened_range[0]
         return math.prod(self.local_shape)
+
+    @property
+    def data_length(self) -> int:
+        """Bytes of the elements (tensor) or payload (object) inside the record."""
+        return self.numel * itemsize(self.dtype) if self.kind == KIND_TENSOR else self.length
 
     def describe(self) -> str:
         """Short human description used in error messages."""
@@ -128,20 +150,31 @@ class CheckpointIndex:
     checksum_block_bytes: int
     files: dict[str, int]
     records: tuple[ShardRecord, ...]
+    container: str = CONTAINER_RAW
+    metadata_xxh3_64: Optional[str] = None  # of DCP's .metadata (torch_save container only)
+    aux_files: dict[str, str] = field(default_factory=dict)  # name -> XXH3 of files committed beside (torch_save only)
     checksum_algorithm: str = ALGORITHM
-    format_version: int = FORMAT_VERSION
+
+    @property
+    def format_version(self) -> int:
+        """Index version, fixed by the container."""
+        return FORMAT_VERSIONS[self.container]
 
     def to_json_bytes(self) -> bytes:
         """Serialize with a checksum over the canonical body, so a flipped bit is caught."""
-        body = {
+        body: dict[str, Any] = {
             "format": BACKEND,
             "format_version": self.format_version,
             "world_size": self.world_size,
             "checksum_algorithm": self.checksum_algorithm,
             "checksum_block_bytes": self.checksum_block_bytes,
             "files": dict(sorted(self.files.items())),
-            "records": [record_to_json(r) for r in self.records],
+            "records": [record_to_json(r, self.container) for r in self.records],
         }
+        if self.container != CONTAINER_RAW:  # version 1 indexes stay byte-identical to before
+            body["container"] = self.container
+            body["metadata_xxh3_64"] = self.metadata_xxh3_64
+            body["aux_files"] = dict(sorted(self.aux_files.items()))
         return json.dumps(
             {"body_xxh3_64": digest_bytes(_canonical(body)), "body": body}, indent=1
         ).encode()
@@ -161,11 +194,22 @@ class CheckpointIndex:
         if body.get("format") != BACKEND:
             raise CorruptCheckpointError(f"{where}: not a {BACKEND} index (format={body.get('format')!r})")
         version = body.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in FORMAT_VERSIONS.values():
             raise FastPersistError(
                 f"{where}: format version {version!r} is not supported by this reader "
-                f"(supports {FORMAT_VERSION}); upgrade fastpersist-dist"
+                f"(supports {sorted(FORMAT_VERSIONS.values())}); upgrade fastpersist-dist"
             )
+        container = body.get("container", CONTAINER_RAW)
+        if FORMAT_VERSIONS.get(container) != version:
+            raise CorruptCheckpointError(f"{where}: container {container!r} does not go with format version {version}")
+        digest = body.get("metadata_xxh3_64")
+        if container == CONTAINER_TORCH_SAVE and not (isinstance(digest, str) and len(digest) == 16):
+            raise CorruptCheckpointError(f"{where}: metadata_xxh3_64 must be a 16-digit hex string, got {digest!r}")
+        aux = body.get("aux_files", {})
+        if not isinstance(aux, dict) or not all(
+            isinstance(n, str) and _AUX_FILE_RE.match(n) and isinstance(d, str) and len(d) == 16 for n, d in aux.items()
+        ):
+            raise CorruptCheckpointError(f"{where}: aux_files must map plain file names to 16-digit hex strings, got {aux!r}")
         if body.get("checksum_algorithm") != ALGORITHM:
             raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
         block = _int(body.get("checksum_block_bytes"), "checksum_block_bytes", where, minimum=1)
@@ -173,17 +217,20 @@ class CheckpointIndex:
         if not isinstance(files, dict):
             raise CorruptCheckpointError(f"{where}: 'files' must be an object")
         for name, size in files.items():
-            check_file_name(name, where)
+            check_file_name(name, where, container)
             _int(size, f"size of {name}", where)
         raw_records = body.get("records")
         if not isinstance(raw_records, list):
             raise CorruptCheckpointError(f"{where}: 'records' must be a list")
-        records = tuple(record_from_json(r, where, files, block) for r in raw_records)
+        records = tuple(record_from_json(r, where, files, block, container) for r in raw_records)
         return cls(
             world_size=_int(body.get("world_size"), "world_size", where, minimum=1),
             checksum_block_bytes=block,
             files=dict(files),
             records=records,
+            container=container,
+            metadata_xxh3_64=digest if container == CONTAINER_TORCH_SAVE else None,
+            aux_files=dict(aux),
         )
 
 
@@ -191,16 +238,18 @@ def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def check_file_name(name: Any, where: str) -> None:
-    """Only our own data file names are accepted: no paths, no '..', no NUL."""
-    if not isinstance(name, str) or not DATA_FILE_RE.match(name):
+def check_file_name(name: Any, where: str, container: str = CONTAINER_RAW) -> None:
+    """Only the container's own data file names are accepted: no paths, no '..', no NUL."""
+    if not isinstance(name, str) or not _FILE_RE[container].match(name):
         raise CorruptCheckpointError(f"{where}: illegal data file name {name!r}")
 
 
-def record_to_json(r: ShardRecord) -> dict:
-    """JSON object for one record (tuples become lists)."""
+def record_to_json(r: ShardRecord, container: str = CONTAINER_RAW) -> dict:
+    """JSON object for one record (tuples become lists; no ``data_offset`` without a container)."""
     d = asdict(r)
     d["checksums"] = list(r.checksums)
+    if container == CONTAINER_RAW:
+        del d["data_offset"]
     return d
 
 
@@ -216,7 +265,7 @@ def _int_tuple(value: Any, what: str, where: str, minimum: int = 0) -> tuple[int
     return tuple(_int(v, what, where, minimum) for v in value)
 
 
-def record_from_json(d: Any, where: str, files: dict[str, int], block: int) -> ShardRecord:
+def record_from_json(d: Any, where: str, files: dict[str, int], block: int, container: str = CONTAINER_RAW) -> ShardRecord:
     """Validate one record against the format's invariants and the file sizes."""
     if not isinstance(d, dict):
         raise CorruptCheckpointError(f"{where}: record is not an object: {d!r}")
@@ -228,11 +277,12 @@ def record_from_json(d: Any, where: str, files: dict[str, int], block: int) -> S
     if kind not in (KIND_TENSOR, KIND_OBJECT):
         raise CorruptCheckpointError(f"{at}: unknown kind {kind!r}")
     file = d.get("file")
-    check_file_name(file, at)
+    check_file_name(file, at, container)
     if file not in files:
         raise CorruptCheckpointError(f"{at}: file {file} is not listed in the index")
     offset = _int(d.get("offset"), "offset", at)
     length = _int(d.get("length"), "length", at)
+    data_offset = 0 if container == CONTAINER_RAW else _int(d.get("data_offset"), "data_offset", at)
     if offset + length > files[file]:
         raise CorruptCheckpointError(
             f"{at}: bytes {offset}+{length} lie past the end of {file} ({files[file]} bytes)"
@@ -270,17 +320,21 @@ def record_from_json(d: Any, where: str, files: dict[str, int], block: int) -> S
             if len(flattened_range) != 2 or not flattened_range[0] <= flattened_range[1] <= numel:
                 raise CorruptCheckpointError(f"{at}: flattened_range {flattened_range} outside 0..{numel}")
             numel = flattened_range[1] - flattened_range[0]
-        if numel * size != length:
+        if container == CONTAINER_RAW and numel * size != length:
             raise CorruptCheckpointError(
                 f"{at}: {numel} elements of {dtype} need {numel * size} bytes, index says {length}"
             )
-    elif dtype is not None or flattened_range is not None:
-        raise CorruptCheckpointError(f"{at}: object records carry no dtype or flattened_range")
+        if data_offset + numel * size > length:
+            raise CorruptCheckpointError(
+                f"{at}: {numel} elements of {dtype} from byte {data_offset} do not fit in the record's {length} bytes"
+            )
+    elif dtype is not None or flattened_range is not None or data_offset:
+        raise CorruptCheckpointError(f"{at}: object records carry no dtype, flattened_range or data_offset")
     return ShardRecord(
         key=key, kind=kind, dtype=dtype, local_shape=local_shape, global_shape=global_shape,
         global_offset=global_offset, axis_fragmentations=frags, prepend_axis_num=prepend,
         flattened_range=flattened_range, replica_id=replica_id, file=file, offset=offset,
-        length=length, checksums=tuple(checksums),
+        length=length, checksums=tuple(checksums), data_offset=data_offset,
     )
 
 

@@ -16,14 +16,13 @@ from megatron.core.dist_checkpointing.core import maybe_load_config
 
 from .commit import read_index
 from .errors import FastPersistError, IncompleteCheckpointError
+from .checkpoint_formats import BY_CONTAINER, DCP_METADATA_FILE, FORMATS
 from .format import (
-    BACKEND,
-    BACKEND_VERSION,
-    DATA_FILE_RE,
     INDEX_FILE,
     STATUS_FILE_RE,
     CheckpointIndex,
     ShardRecord,
+    is_data_file,
 )
 
 WHO = "inspect"
@@ -52,6 +51,7 @@ class InspectReport:
     directory: str
     backend: Optional[str] = None
     backend_version: Optional[int] = None
+    format: Optional[str] = None  # checkpoint format named by the committed index
     index: str = INDEX_MISSING
     world_size: Optional[int] = None
     checksum_block_bytes: Optional[int] = None
@@ -95,6 +95,8 @@ def inspect_checkpoint(checkpoint_dir: str) -> InspectReport:
         report.problems.append(str(e))
         return report
     report.index = INDEX_COMMITTED
+    report.format = BY_CONTAINER[index.container].name
+    report.problems.extend(format_problems(report.backend, index))
     report.world_size = index.world_size
     report.checksum_block_bytes = index.checksum_block_bytes
     report.files = dict(sorted(index.files.items()))
@@ -106,7 +108,7 @@ def _our_files(checkpoint_dir: str, names: list[str]) -> dict[str, int]:
     """Sizes of the data, status and index files present, whatever the index says (it may be missing)."""
     ours = {}
     for name in sorted(names):
-        if DATA_FILE_RE.match(name) or STATUS_FILE_RE.match(name) or name.startswith(INDEX_FILE):
+        if is_data_file(name) or STATUS_FILE_RE.match(name) or name.startswith(INDEX_FILE) or name == DCP_METADATA_FILE:
             try:
                 ours[name] = os.path.getsize(os.path.join(checkpoint_dir, name))
             except OSError:
@@ -124,10 +126,20 @@ def metadata_backend(checkpoint_dir: str) -> tuple[Optional[str], Optional[int],
     if config is None:
         return None, None, [f"{path} is missing: dist_checkpointing.load will refuse this directory"]
     found = (config.sharded_backend, config.sharded_backend_version)
-    if found != (BACKEND, BACKEND_VERSION):
+    ours = sorted((f.backend, f.version) for f in FORMATS.values())
+    if found not in ours:
         return (*found, [f"{path} names backend {found[0]} version {found[1]}, "
-                         f"not {BACKEND} version {BACKEND_VERSION}: this is not a FastPersist checkpoint"])
+                         f"none of {ours}: this is not a FastPersist checkpoint"])
     return (*found, [])
+
+
+def format_problems(backend: Optional[str], index: CheckpointIndex) -> list[str]:
+    """metadata.json must name the backend of the format the index commits (megatron picks the loader by it)."""
+    fmt = BY_CONTAINER[index.container]
+    if backend is None or backend == fmt.backend:
+        return []
+    return [f"metadata.json names backend {backend} but {INDEX_FILE} commits a {fmt.name} checkpoint "
+            f"(backend {fmt.backend}): megatron would pick the wrong loader"]
 
 
 def _read_metadata(report: InspectReport) -> None:
@@ -174,6 +186,9 @@ def format_report(report: InspectReport) -> str:
         lines.append("files present:" if report.present_files else "files present: none of ours")
         lines.extend(f"  {name}  {_size(size)}" for name, size in report.present_files.items())
     else:
+        files = ("torch DCP files (.metadata, __<rank>_0.distcp)" if report.format == "torch_dist"
+                 else "FastPersist data files")
+        lines.append(f"format: {report.format}: {files}, checksums in {INDEX_FILE}")
         lines.append(
             f"index: committed; written by {report.world_size} ranks; checksums per "
             f"{_size(report.checksum_block_bytes or 0)}"

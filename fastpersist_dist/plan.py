@@ -6,23 +6,27 @@ descriptions :func:`plan_writes` decides who writes what so that bytes per
 rank are balanced, the way FastPersist spreads one checkpoint over all
 data-parallel writers: a shard may be written by any rank holding a replica;
 small shards go whole to the least-loaded holder, large ones are cut into
-element-aligned byte ranges (``flattened_range`` pieces) over their holders.
-The plan depends only on its inputs, so every rank computes the same one.
+``flattened_range`` pieces over their holders. Pieces are cut at whole rows of
+the shard's first axis longer than 1, so each piece is also a box of the global
+tensor: one chunk in torch DCP's metadata. The plan depends only on its inputs,
+so every rank computes the same one. Zero-element shards hold no bytes: one
+record per (key, offset) is kept, whoever holds it, so the tensor stays known.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from megatron.core.dist_checkpointing.mapping import is_main_replica
 
-from .coverage import coverage_errors
+from .coverage import coverage_errors, shard_box
 from .errors import FastPersistError
-from .format import KIND_TENSOR, ShardRecord, data_file_name, itemsize
+from .format import KIND_TENSOR, ShardRecord, itemsize
 
-SPLIT_UNIT = 1 << 20  # piece boundaries fall on multiples of this many bytes (whole elements)
+SPLIT_UNIT = 1 << 20  # piece boundaries fall on multiples of this many bytes (rounded up to whole rows)
 SHARE_SLACK = 64  # shards up to 1/64 of a rank's fair share are never split
 
 
@@ -60,7 +64,7 @@ def _group(held: Sequence[Sequence[ShardRecord]]) -> list[_Shard]:
                     f"replicas that disagree (dtype/shape/bytes: {first[1].dtype} {first[1].local_shape} "
                     f"{first[1].length} vs {r.dtype} {r.local_shape} {r.length})"
                 )
-            if is_main_replica(r.replica_id):
+            if is_main_replica(r.replica_id) and not (r.kind == KIND_TENSOR and r.length == 0):
                 if s.main_rank is not None:
                     raise PlanError(
                         f"{r.kind} '{r.key}' at global offset {r.global_offset} is a main replica (replica_id 0) on "
@@ -68,7 +72,17 @@ def _group(held: Sequence[Sequence[ShardRecord]]) -> list[_Shard]:
                     )
                 s.main_rank = rank
             s.holders.setdefault(rank, r)
+    for s in shards.values():  # an empty shard has no bytes to write: any holder stands for it
+        if s.main_rank is None and next(iter(s.holders.values())).length == 0:
+            s.main_rank = min(s.holders)
     return [shards[k] for k in sorted(shards)]
+
+
+def row_bytes(r: ShardRecord) -> int:
+    """Bytes of one row of the shard's first axis longer than 1: cuts at multiples keep a piece one box."""
+    box = shard_box(r)
+    axis = next((i for i, n in enumerate(box) if n > 1), len(box) - 1)
+    return itemsize(r.dtype) * math.prod(box[axis + 1 :])
 
 
 def _water_fill(load: list[int], ranks: list[int], size: int, unit: int) -> list[tuple[int, int, int]]:
@@ -131,8 +145,8 @@ def plan_writes(
             out[rank].append(s.holders[rank])
             load[rank] += s.length
             continue
-        size = itemsize(main_record.dtype)
-        for rank, start, stop in _water_fill(load, holders, s.length, -(-unit // size) * size):
+        row = row_bytes(main_record)
+        for rank, start, stop in _water_fill(load, holders, s.length, -(-unit // row) * row):
             out[rank].append(_piece(s.holders[rank], start, stop))
             load[rank] += stop - start
     for records in out:
@@ -140,13 +154,20 @@ def plan_writes(
     return out
 
 
-def place_in_rank_file(records: list[ShardRecord], rank: int) -> list[ShardRecord]:
-    """Lay ``records`` back to back, in order, in ``rank``'s data file."""
+def place_in_rank_file(
+    records: list[ShardRecord], file: str, frames: Optional[Sequence[tuple[int, int]]] = None
+) -> list[ShardRecord]:
+    """Lay ``records`` back to back, in order, in ``file``.
+
+    ``frames[i]`` is (bytes before, bytes after) record i's elements (a
+    container's framing, see ``checkpoint_formats``); none by default.
+    """
     placed, offset = [], 0
-    name = data_file_name(rank)
-    for r in records:
-        placed.append(replace(r, file=name, offset=offset))
-        offset += r.length
+    for i, r in enumerate(records):
+        before, after = frames[i] if frames else (0, 0)
+        length = before + r.length + after
+        placed.append(replace(r, file=file, offset=offset, length=length, data_offset=before))
+        offset += length
     return placed
 
 

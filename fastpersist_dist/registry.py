@@ -1,17 +1,14 @@
-"""Registration of the FastPersist strategies with megatron-core.
+"""Registration of the FastPersist strategies with megatron-core's strategy registry (0.16).
 
-After ``import fastpersist_dist``, ``dist_checkpointing.save(...,
-sharded_strategy=('fastpersist', 1))`` works, and ``dist_checkpointing.load``
-picks our loader from a checkpoint's ``metadata.json`` unasked. Megatron keeps
-one shared instance per (action, backend, version); ours hold no per-save state.
+After ``import fastpersist_dist`` on megatron-core 0.16,
+``dist_checkpointing.save(..., sharded_strategy=('fastpersist', 1))`` works, and
+``dist_checkpointing.load`` picks our loader from a checkpoint's
+``metadata.json`` unasked. Megatron keeps one shared instance per (action,
+backend, version); ours hold no per-save state. megatron-core 0.17+ has no
+registry: :func:`register` raises there, saying what to do instead.
 """
 
-from megatron.core.dist_checkpointing.strategies.base import (
-    StrategyAction,
-    default_strategies,
-    register_default_strategy,
-)
-
+from . import compat
 from .format import BACKEND, BACKEND_VERSION
 from .strategies.fastpersist_load import FastPersistLoadStrategy
 from .strategies.fastpersist_save import FastPersistSaveStrategy
@@ -19,8 +16,4 @@ from .strategies.fastpersist_save import FastPersistSaveStrategy
 
 def register() -> None:
     """Register the default save and load strategies for ('fastpersist', 1); idempotent."""
-    key = (BACKEND, BACKEND_VERSION)
-    if key not in default_strategies[StrategyAction.SAVE_SHARDED.value]:
-        register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, BACKEND_VERSION, FastPersistSaveStrategy())
-    if key not in default_strategies[StrategyAction.LOAD_SHARDED.value]:
-        register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, BACKEND_VERSION, FastPersistLoadStrategy())
+    compat.register(FastPersistSaveStrategy("fastpersist"), FastPersistLoadStrategy(), BACKEND, BACKEND_VERSION)

@@ -7,13 +7,12 @@ replica. Once planned, the bytes a rank writes (whole shards or element
 ranges of them) become 1-D uint8 views of contiguous host memory: only a
 view's own bytes, never its base storage. Accelerator tensors are copied to
 the host here, in the training process, so the writer never touches a device.
-ShardedObjects are serialized with ``torch.save`` (they are arbitrary Python
-objects; tensor data never goes this way).
+ShardedObjects are serialized with ``torch.save`` as the checkpoint format
+says (they are arbitrary Python objects; tensor data never goes this way).
 """
 
 from __future__ import annotations
 
-import io
 import mmap
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -26,6 +25,7 @@ from megatron.core.dist_checkpointing.mapping import (
     is_main_replica,
 )
 
+from .checkpoint_formats import CheckpointFormat
 from .errors import FastPersistError
 from .format import KIND_OBJECT, KIND_TENSOR, ShardRecord, dtype_name
 
@@ -87,14 +87,12 @@ def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor_bytes(host.contiguous())
 
 
-def stage_object(sh: ShardedObject, rank: int) -> StagedShard:
+def stage_object(sh: ShardedObject, rank: int, fmt: CheckpointFormat) -> StagedShard:
     """Serialize a ShardedObject's payload."""
-    buf = io.BytesIO()
     try:
-        torch.save(sh.data, buf)
+        payload = torch.frombuffer(bytearray(fmt.object_payload(sh.data)), dtype=torch.uint8)
     except Exception as e:  # noqa: BLE001 - any pickling failure names the key
         raise FastPersistError(f"rank {rank}: ShardedObject '{sh.key}' cannot be serialized: {e}") from e
-    payload = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
     record = ShardRecord(
         key=sh.key, kind=KIND_OBJECT, dtype=None, local_shape=(), global_shape=tuple(sh.global_shape),
         global_offset=tuple(sh.global_offset), axis_fragmentations=None, prepend_axis_num=0,
@@ -103,13 +101,13 @@ def stage_object(sh: ShardedObject, rank: int) -> StagedShard:
     return StagedShard(record, payload)
 
 
-def stage(sharded_state_dict: dict, rank: int) -> list[StagedShard]:
+def stage(sharded_state_dict: dict, rank: int, fmt: CheckpointFormat) -> list[StagedShard]:
     """Validate and describe every held shard; raises on the first invalid one.
 
     Objects are serialized now; tensors keep their source tensor as ``data``.
     """
     return [
-        StagedShard(_tensor_record(sh, rank), sh.data) if isinstance(sh, ShardedTensor) else stage_object(sh, rank)
+        StagedShard(_tensor_record(sh, rank), sh.data) if isinstance(sh, ShardedTensor) else stage_object(sh, rank, fmt)
         for sh in held_shards(sharded_state_dict)
     ]
 

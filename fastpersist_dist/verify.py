@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .commit import read_index
 from .coverage import coverage_errors
 from .errors import FastPersistError
-from .inspect_ckpt import metadata_backend
+from .inspect_ckpt import format_problems, metadata_backend
 from .storage.reader import ShardReader
 
 WHO = "verify"
@@ -41,12 +41,14 @@ def verify_checkpoint(checkpoint_dir: str) -> VerifyReport:
     """Check ``checkpoint_dir`` completely; raises only if it is not a directory."""
     if not os.path.isdir(checkpoint_dir):
         raise FastPersistError(f"{WHO}: {checkpoint_dir} is not a directory")
-    report = VerifyReport(checkpoint_dir, problems=metadata_backend(checkpoint_dir)[2])
+    backend, _, problems = metadata_backend(checkpoint_dir)
+    report = VerifyReport(checkpoint_dir, problems=problems)
     try:
         index = read_index(checkpoint_dir, WHO)
     except FastPersistError as e:
         report.problems.append(str(e))
         return report
+    report.problems.extend(format_problems(backend, index))
     report.records = len(index.records)
     report.tensors = len({r.key for r in index.records if r.kind == "tensor"})
     broken = set()

@@ -1,13 +1,33 @@
 #!/usr/bin/env bash
-# Set up fastpersist-dist on a fresh Debian machine that has Python 3.11:
-# libaio-dev (apt, only when missing), a virtualenv, torch==2.13.0 (only when the venv
-# has no torch; never an unpinned torch), the package with its test extras, and the
-# DeepSpeed ops it uses, prebuilt so the first save does not pay the ~4-minute JIT build.
+# Set up fastpersist-dist on a fresh Debian machine, for one megatron-core stack:
+#   FASTPERSIST_STACK=mcore-0.16 (default): Python 3.11, megatron-core 0.16.1, venv .venv
+#   FASTPERSIST_STACK=mcore-0.19:           Python 3.12, megatron-core 0.19.2, venv .venv-0.19
+# Installs libaio-dev (apt, only when missing), makes the venv, installs torch==2.13.0 (only when
+# the venv has no torch; never an unpinned torch), the package with its test extras and the
+# stack's megatron-core, and prebuilds the DeepSpeed ops it uses into <venv>/torch_ext, so the
+# first save does not pay the ~5-minute JIT build. FASTPERSIST_VENV and PYTHON override the defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${FASTPERSIST_VENV:-.venv}"
-PYTHON="${PYTHON:-python3.11}"
-command -v "$PYTHON" >/dev/null || PYTHON=python3
+STACK="${FASTPERSIST_STACK:-mcore-0.16}"
+case "$STACK" in
+    mcore-0.16) PY_VERSION=3.11; MCORE=0.16.1; DEFAULT_VENV=.venv ;;
+    mcore-0.19) PY_VERSION=3.12; MCORE=0.19.2; DEFAULT_VENV=.venv-0.19 ;;
+    *) echo "setup: FASTPERSIST_STACK must be mcore-0.16 or mcore-0.19, got '$STACK'" >&2; exit 2 ;;
+esac
+VENV="${FASTPERSIST_VENV:-$DEFAULT_VENV}"
+
+find_python() {
+    if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+    if command -v "python$PY_VERSION" >/dev/null && "python$PY_VERSION" -c 1 2>/dev/null; then
+        echo "python$PY_VERSION"; return
+    fi
+    local root="${PYENV_ROOT:-$HOME/.pyenv}"
+    local found
+    found="$(ls -d "$root"/versions/"$PY_VERSION".*/bin/python 2>/dev/null | sort -V | tail -n 1 || true)"
+    if [ -n "$found" ]; then echo "$found"; return; fi
+    echo "setup: $STACK needs Python $PY_VERSION (python$PY_VERSION on PATH or under pyenv); none found" >&2
+    exit 2
+}
 
 if ! dpkg -s libaio-dev >/dev/null 2>&1; then
     SUDO=""
@@ -17,13 +37,13 @@ if ! dpkg -s libaio-dev >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libaio-dev >/dev/null
 fi
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+[ -x "$VENV/bin/python" ] || "$(find_python)" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    echo "setup: installing torch==2.13.0"
+    echo "setup: installing torch==2.13.0 into $VENV ($STACK)"
     "${PIP[@]}" torch==2.13.0
 fi
-echo "setup: installing fastpersist-dist[test]"
-"${PIP[@]}" -e ".[test]"
-echo "setup: building DeepSpeed ops (cached under ~/.cache/torch_extensions)"
+echo "setup: installing fastpersist-dist[test] with megatron-core==$MCORE into $VENV"
+"${PIP[@]}" -e ".[test]" "megatron-core==$MCORE"
+echo "setup: building DeepSpeed ops (cached under $VENV/torch_ext)"
 "$VENV/bin/fastpersist-dist" build-ops

@@ -11,9 +11,29 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
-from fastpersist_dist import FastPersistSaveStrategy
+from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, compat
 
 Split = Union[None, int, str, tuple[int, ...]]
+
+# These tests exercise the engine through the native format on either megatron-core;
+# tests/test_torch_dist_format.py covers the torch_dist format and megatron's own loaders.
+NATIVE = "fastpersist"
+# megatron-core 0.17+ has no registry: load() would pick its torch_dist loader unless told.
+LOAD_KW: dict = {} if compat.REGISTRY else {"sharded_strategy": FastPersistLoadStrategy()}
+# ... its save() adds the common state as one more ShardedObject ...
+ADDED_OBJECTS: set[str] = set() if compat.REGISTRY else {"common_state"}
+# ... and its async save defaults to the "nvrx" queue, which needs nvidia-resiliency-ext.
+ASYNC_KW: dict = compat.ASYNC_SAVE_KWARGS
+
+
+def native_strategy(**knobs: object) -> FastPersistSaveStrategy:
+    """Our save strategy, writing the native format."""
+    return FastPersistSaveStrategy(NATIVE, **knobs)
+
+
+def load(sharded_state_dict: dict, path: str, **kwargs: object) -> dict:
+    """``dist_checkpointing.load`` of a native checkpoint: by metadata.json on 0.16, our loader named on 0.17+."""
+    return dist_checkpointing.load(sharded_state_dict, path, **{**LOAD_KW, **kwargs})
 
 
 def global_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, salt: int = 0) -> torch.Tensor:
@@ -87,5 +107,5 @@ def make_dir(path: str) -> None:
 def save(sd: dict, path: str, strategy: Optional[object] = None, validate: bool = True, **knobs: object) -> None:
     make_dir(path)
     dist_checkpointing.save(
-        sd, path, sharded_strategy=strategy or FastPersistSaveStrategy(**knobs), validate_access_integrity=validate
+        sd, path, sharded_strategy=strategy or native_strategy(**knobs), validate_access_integrity=validate
     )

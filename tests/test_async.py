@@ -15,7 +15,7 @@ from fastpersist_dist import FastPersistSaveStrategy, SaveFailedError
 from fastpersist_dist.async_queue import AsyncSaveQueue
 from fastpersist_dist.format import INDEX_FILE
 
-from .helpers import assert_same, global_tensor, make_dir, sharded
+from .helpers import (ASYNC_KW, assert_same, global_tensor, load, make_dir, native_strategy, sharded)
 from .multiproc import run_ranks
 
 
@@ -44,21 +44,21 @@ def load_and_compare(sd: dict, want: dict, path: str) -> None:
                          sh.global_offset, sh.axis_fragmentations, sh.replica_id, sh.prepend_axis_num)
         for k, sh in sd.items()
     }
-    loaded = dist_checkpointing.load(template, path)
+    loaded = load(template, path)
     for k in want:
         assert_same(loaded[k], want[k].contiguous(), f"{path}:{k}")
 
 
 def async_save(sd: dict, path: str, strategy: FastPersistSaveStrategy):
     make_dir(path)
-    return dist_checkpointing.save(sd, path, sharded_strategy=strategy, async_sharded_save=True)
+    return dist_checkpointing.save(sd, path, sharded_strategy=strategy, async_sharded_save=True, **ASYNC_KW)
 
 
 def start_first_save(rank: int, world: int, path: str):
     """A fresh state, its values at save time, and one async save of it scheduled to ``path``."""
     sd = state(rank, world)
     before = snapshot(sd)
-    strategy = FastPersistSaveStrategy()
+    strategy = native_strategy()
     strategy.load_ops()  # as a trainer would at start-up
     queue = AsyncSaveQueue()
     queue.schedule(async_save(sd, path, strategy))
@@ -80,7 +80,7 @@ def test_checkpoint_holds_state_at_save_call(tmp_path):
 
 def _three_in_a_row(rank: int, world: int, root: str) -> list[bool]:
     sd = state(rank, world)
-    strategy = FastPersistSaveStrategy()
+    strategy = native_strategy()
     queue = AsyncSaveQueue()
     expected, buffers = [], []
     for step in range(3):
@@ -135,7 +135,7 @@ def _megatron_queue(rank: int, world: int, root: str) -> None:
     sd = state(rank, world)
     before = snapshot(sd)
     queue = AsyncCallsQueue()
-    queue.schedule_async_request(async_save(sd, f"{root}/m", FastPersistSaveStrategy()))
+    queue.schedule_async_request(async_save(sd, f"{root}/m", native_strategy()))
     mutate(sd, 0)
     queue.maybe_finalize_async_calls(blocking=True)
     load_and_compare(sd, before, f"{root}/m")
@@ -153,7 +153,7 @@ def _parallel_work_then_async_save(rank: int, world: int, root: str) -> None:
     sd = {"big": sharded("big", big, rank, world, 0)}
     before = snapshot(sd)
     queue = AsyncSaveQueue()
-    queue.schedule(async_save(sd, f"{root}/c", FastPersistSaveStrategy()))
+    queue.schedule(async_save(sd, f"{root}/c", native_strategy()))
     mutate(sd, 0)
     queue.close()
     load_and_compare(sd, before, f"{root}/c")

@@ -9,16 +9,18 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
-from fastpersist_dist import FastPersistSaveStrategy
 from fastpersist_dist.async_queue import AsyncSaveQueue
 from fastpersist_dist.format import INDEX_FILE, data_file_name
 from fastpersist_dist.verify import verify_checkpoint
 
 from .helpers import (
+    ASYNC_KW,
     assert_same,
     empty_like_request,
     global_tensor,
+    load,
     make_dir,
+    native_strategy,
     save,
     sharded,
 )
@@ -69,13 +71,13 @@ def template(sd: dict) -> dict:
 
 
 def _save_twice_and_load(rank: int, world: int, root: str) -> list:
-    strategy = FastPersistSaveStrategy()
+    strategy = native_strategy()
     save(tp_dp_state(rank, 0), f"{root}/a", strategy)
-    first_reused = strategy._plans.reused
+    first_reused = strategy.plan_reused
     save(tp_dp_state(rank, 1), f"{root}/b", strategy)  # same structure, new values: the plan is reused
-    check_loaded(dist_checkpointing.load(template(tp_dp_state(rank, 1)), f"{root}/b"), rank, 1)
-    check_loaded(dist_checkpointing.load(template(tp_dp_state(rank, 0)), f"{root}/a"), rank, 0)
-    return [first_reused, strategy._plans.reused]
+    check_loaded(load(template(tp_dp_state(rank, 1)), f"{root}/b"), rank, 1)
+    check_loaded(load(template(tp_dp_state(rank, 0)), f"{root}/a"), rank, 0)
+    return [first_reused, strategy.plan_reused]
 
 
 def _load_other_sharding(rank: int, world: int, root: str) -> None:
@@ -84,11 +86,11 @@ def _load_other_sharding(rank: int, world: int, root: str) -> None:
     for key in SHAPES:
         g = full(key, 1)
         want[key] = sharded(key, g, rank, world, g.dim() - 1) if g.dim() > 1 else sharded(key, g, rank, world, None)
-    loaded = dist_checkpointing.load(template(want), f"{root}/b")
+    loaded = load(template(want), f"{root}/b")
     for key, sh in want.items():
         assert_same(loaded[key], sh.data, f"resharded '{key}'")
     objects = {f"tp_obj{t}": ShardedObject("tp_obj", None, (TP,), (t,), replica_id=rank) for t in range(TP)}
-    loaded = dist_checkpointing.load(objects, f"{root}/b")
+    loaded = load(objects, f"{root}/b")
     assert [loaded[f"tp_obj{t}"] for t in range(TP)] == [{"tp": t, "step": 1} for t in range(TP)]
 
 
@@ -115,8 +117,8 @@ def test_tp2_dp2_every_rank_writes_its_share_and_loads_reshard(tmp_path):
 
 
 def _unbalanced(rank: int, world: int, root: str) -> None:
-    save(tp_dp_state(rank), root, FastPersistSaveStrategy(balance=False))
-    check_loaded(dist_checkpointing.load(template(tp_dp_state(rank)), root), rank, 0)
+    save(tp_dp_state(rank), root, native_strategy(balance=False))
+    check_loaded(load(template(tp_dp_state(rank)), root), rank, 0)
 
 
 def test_without_balance_only_main_replicas_write(tmp_path):
@@ -133,13 +135,13 @@ def _async_balanced(rank: int, world: int, path: str) -> None:
     sd = tp_dp_state(rank, 2)
     queue = AsyncSaveQueue()
     make_dir(path)
-    queue.schedule(dist_checkpointing.save(sd, path, sharded_strategy=FastPersistSaveStrategy(),
-                                           async_sharded_save=True))
+    queue.schedule(dist_checkpointing.save(sd, path, sharded_strategy=native_strategy(),
+                                           async_sharded_save=True, **ASYNC_KW))
     for sh in sd.values():  # training goes on: the snapshot holds the pieces as they were
         if isinstance(sh, ShardedTensor):
             sh.data.add_(1)
     assert queue.maybe_finalize(blocking=True) == [1]
-    check_loaded(dist_checkpointing.load(template(tp_dp_state(rank, 2)), path), rank, 2)
+    check_loaded(load(template(tp_dp_state(rank, 2)), path), rank, 2)
 
 
 def test_async_save_snapshots_only_this_ranks_pieces(tmp_path):

@@ -22,7 +22,7 @@ def test_bench_command_tiny(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "fastpersist_dist.cli", "bench", "--gib", "0.02", "--reps", "1", "--tp", "1",
          "--dir", str(tmp_path / "b"), "--json", str(out), "--plot", str(chart), "--io-buffer-mb", "16",
-         "--aio-queue-depth", "4", "--log-level", "INFO"],
+         "--aio-queue-depth", "4", "--log-level", "DEBUG"],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -37,7 +37,7 @@ def test_bench_command_tiny(tmp_path):
     assert len(per_rank) == 2 and min(per_rank) > 0  # TP=1: all replicated, both ranks write a share
     assert "bytes written per rank" in proc.stdout and "x t_dist" in proc.stdout
     assert "bench: fastpersist_async 1/1: save" in proc.stderr  # progress while it runs
-    assert "prepared its share" in proc.stderr and "copy+aio" in proc.stderr  # the profile, with INFO
+    assert "prepared its share" in proc.stderr and "copy+aio" in proc.stderr  # the per-rank profile, with DEBUG
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "b").iterdir())  # checkpoints removed unless --keep
 

@@ -23,7 +23,7 @@ from fastpersist_dist.format import (
 )
 from fastpersist_dist.inspect_ckpt import inspect_checkpoint
 
-from .helpers import global_tensor, save, sharded
+from .helpers import ADDED_OBJECTS, global_tensor, save, sharded
 from .multiproc import run_ranks
 from .test_flat_records import write_flat_checkpoint
 
@@ -63,7 +63,7 @@ def test_inspect_json_matches_what_was_saved(good_ckpt, capsys):
     assert (doc["backend"], doc["backend_version"], doc["committed"], doc["ok"]) == ("fastpersist", 1, True, True)
     assert (doc["index"], doc["world_size"], doc["problems"]) == ("committed", 2, [])
     entries = {e["key"]: e for e in doc["entries"]}
-    assert set(entries) == set(TENSORS) | {"obj"}
+    assert set(entries) == set(TENSORS) | {"obj"} | ADDED_OBJECTS
     for key, (shape, dtype, _, shards) in TENSORS.items():
         e = entries[key]
         assert (e["kind"], e["dtype"], tuple(e["global_shape"])) == ("tensor", dtype_name(dtype), shape)
@@ -82,7 +82,8 @@ def test_inspect_text(good_ckpt, capsys):
     code, out, _ = _main(capsys, "inspect", good_ckpt)
     assert code == 0
     assert "backend: fastpersist version 1" in out and "index: committed; written by 2 ranks" in out
-    assert "3 tensors, 1 objects, 7 records:" in out
+    objects = 1 + len(ADDED_OBJECTS)
+    assert f"3 tensors, {objects} objects, {6 + objects} records:" in out
     lines = out.splitlines()
     w = next(line.split() for line in lines if line.split()[:1] == ["w"])
     assert w[:3] == ["w", "tensor", "float32"] and w[-3:] == ["2", "2", str(64 * 256 * 4)]
@@ -116,7 +117,7 @@ def test_inspect_uncommitted_and_damaged(good_ckpt, tmp_path):
         assert f"  {name}  " in proc.stdout
     assert f"inspect: {path}: NOT committed (incomplete checkpoint)" in proc.stderr
 
-    save_config(CheckpointingConfig("torch_dist", 1), path)
+    save_config(CheckpointingConfig("zarr", 1), path)
     assert any("this is not a FastPersist checkpoint" in p for p in inspect_checkpoint(path).problems)
 
 

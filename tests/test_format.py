@@ -59,7 +59,7 @@ def _set(path: str, value: object):
 @pytest.mark.parametrize(
     "mutate,needle",
     [
-        (_set("format_version", 2), "format version 2 is not supported"),
+        (_set("format_version", 3), "format version 3 is not supported"),
         (_set("format", "other"), "not a fastpersist index"),
         (_set("records.0.file", "../../etc/passwd"), "illegal data file name"),
         (_set("records.0.file", "/abs/fastpersist_r00000.bin"), "illegal data file name"),
@@ -94,7 +94,7 @@ def test_damaged_bytes_are_refused():
 
 
 def test_place_in_rank_file_is_back_to_back():
-    placed = place_in_rank_file([rec(length=24), rec(key="b", length=0), rec(key="c", length=12, dtype="int32")], 3)
+    placed = place_in_rank_file([rec(length=24), rec(key="b", length=0), rec(key="c", length=12, dtype="int32")], data_file_name(3))
     assert [(r.file, r.offset) for r in placed] == [(data_file_name(3), 0), (data_file_name(3), 24), (data_file_name(3), 24)]
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
-from .helpers import assert_same, save
+from .helpers import assert_same, load, save
 from .multiproc import run_ranks
 
 
@@ -31,7 +31,7 @@ def _load_model(rank: int, world: int, path: str) -> int:
     model = build_model(world, seed=2)
     reference = build_model(world, seed=1).state_dict()
     assert any(not torch.equal(v, reference[k]) for k, v in model.state_dict().items() if torch.is_tensor(v))
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), path)
+    loaded = load(model.sharded_state_dict(), path)
     model.load_state_dict(loaded)
     checked = 0
     for k, v in model.state_dict().items():

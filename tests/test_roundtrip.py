@@ -11,10 +11,10 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor, serialization
 
 import fastpersist_dist  # noqa: F401  (registers the backend)
-from fastpersist_dist import FastPersistLoadStrategy
+from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, compat
 from fastpersist_dist.format import INDEX_FILE, data_file_name
 
-from .helpers import assert_same, empty_like_request, global_tensor, save, sharded
+from .helpers import assert_same, empty_like_request, global_tensor, load, save, sharded
 from .multiproc import run_ranks
 
 DTYPES = [
@@ -87,7 +87,7 @@ def compare(saved: object, loaded: object, path: str = "") -> None:
 def _roundtrip_rich(rank: int, world: int, path: str) -> list[str]:
     sd = rich_state_dict(rank, world)
     save(sd, path)
-    loaded = dist_checkpointing.load(template_of(sd), path)  # backend picked from metadata.json
+    loaded = load(template_of(sd), path)  # backend picked from metadata.json
     compare(rich_state_dict(rank, world), loaded)
     return sorted(os.listdir(path))
 
@@ -118,7 +118,7 @@ def _save_layout(rank: int, world: int, path: str, split: object) -> None:
 
 def _load_layout(rank: int, world: int, path: str, split: object, verify: bool) -> int:
     want = layout_sd(rank, world, split)
-    loaded = dist_checkpointing.load(
+    loaded = load(
         {k: empty_like_request(v) for k, v in want.items()}, path,
         sharded_strategy=FastPersistLoadStrategy(verify_checksums=verify),
     )
@@ -149,7 +149,9 @@ def test_resharding(tmp_path, save_world, save_split, load_world, load_split, ve
 
 def _metadata(rank: int, world: int, path: str) -> None:
     sd = rich_state_dict(rank, world)
-    save(sd, path, strategy=("fastpersist", 1))  # the registered default, by backend tuple
+    # The stack's default: on 0.16 the registered ('fastpersist', 1) by backend tuple; on 0.17+
+    # our torch_dist format, which megatron's metadata functions read with their own loader.
+    save(sd, path, strategy=("fastpersist", 1) if compat.REGISTRY else FastPersistSaveStrategy())
     meta = dist_checkpointing.load_tensors_metadata(path)
     assert meta["dt.bfloat16"].global_shape == (4 * world, 6) and meta["dt.bfloat16"].dtype == torch.bfloat16
     assert meta["scalar"].global_shape == () and meta["empty"].global_shape == (0, 3)
@@ -170,7 +172,7 @@ def _direct_io_used(rank: int, world: int, path: str) -> list[str]:
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     logging.getLogger("fastpersist_dist").addHandler(handler)
-    logging.getLogger("fastpersist_dist").setLevel(logging.INFO)
+    logging.getLogger("fastpersist_dist").setLevel(logging.DEBUG)  # per-rank lines are DEBUG
     save(layout_sd(rank, world, 0), path)
     return [r.getMessage() for r in records]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import sys
 from fastpersist_dist.format import INDEX_FILE, data_file_name
 from fastpersist_dist.verify import verify_checkpoint
 
-from .helpers import global_tensor, save, sharded
+from .helpers import ADDED_OBJECTS, global_tensor, save, sharded
 from .multiproc import run_ranks
 
 
@@ -27,8 +28,11 @@ def test_verify_good_and_damaged(tmp_path):
     path = str(tmp_path / "ckpt")
     run_ranks(2, _save, path)
     report = verify_checkpoint(path)
-    assert report.ok and report.tensors == 2 and report.records == 4
-    assert report.bytes_checked == (64 * 256 + 64) * 4
+    assert report.ok and report.tensors == 2 and report.records == 4 + len(ADDED_OBJECTS)
+    with open(os.path.join(path, INDEX_FILE)) as f:
+        body = json.load(f)["body"]
+    assert report.bytes_checked == sum(body["files"].values())  # every byte listed (+ 0.17+'s common_state) ...
+    assert sum(r["length"] for r in body["records"] if r["kind"] == "tensor") == (64 * 256 + 64) * 4  # ... all tensors
     proc = _cli(path)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
 

@@ -28,9 +28,11 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistSaveShardedStrategy,
 )
 
+from .. import compat
 from ..async_queue import AsyncSaveQueue, collective_device
 from ..config import WriteConfig
 from ..storage.deepspeed_ops import aio_resources
+from ..strategies.fastpersist_load import FastPersistLoadStrategy
 from ..strategies.fastpersist_save import FastPersistSaveStrategy
 
 SHIM_NOTE = "torch_dist ran with torch.cuda.synchronize/current_device stubbed (CPU-only torch)"
@@ -78,32 +80,50 @@ def _fully_parallel_save(sd: dict, ckpt: str, _: WriteConfig) -> None:
 
 
 def _fastpersist_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
-    dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(config=config))
+    dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy("fastpersist", config=config))
+
+
+def _dcp_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
+    dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy("torch_dist", config=config))
+
+
+def _dcp_fully_parallel_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
+    """megatron's DP distribution of main replicas, then ours without re-balancing (it would override it)."""
+    ours = FastPersistSaveStrategy("torch_dist", config=dataclasses.replace(config, balance=False))
+    dist_checkpointing.save(sd, ckpt, sharded_strategy=FullyParallelSaveStrategyWrapper(ours))
 
 
 def _unbalanced_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
-    dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(config=dataclasses.replace(config, balance=False)))
+    strategy = FastPersistSaveStrategy("fastpersist", config=dataclasses.replace(config, balance=False))
+    dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy)
 
 
 @lru_cache(maxsize=None)
 def _async_tools(config: WriteConfig) -> tuple[FastPersistSaveStrategy, AsyncSaveQueue]:
     """One strategy per process, so its snapshot buffer and plan are reused across saves, as in training."""
-    return FastPersistSaveStrategy(config=config), AsyncSaveQueue()
+    return FastPersistSaveStrategy("fastpersist", config=config), AsyncSaveQueue()
 
 
 def _fastpersist_async_save(sd: dict, ckpt: str, config: WriteConfig) -> float:
     """Async save until durable; returns how long the call blocked the caller."""
     strategy, queue = _async_tools(config)
     start = time.perf_counter()
-    queue.schedule(dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True))
+    queue.schedule(dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True,
+                                           **compat.ASYNC_SAVE_KWARGS))
     blocked = time.perf_counter() - start
     queue.maybe_finalize(blocking=True)
     return blocked
 
 
 def _megatron_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
-    with torch_dist_cpu_shims():  # no-op for our backend, which never calls CUDA
+    """megatron's plain load(): its stock torch_dist loader (our loader on 0.16 for the native format)."""
+    with torch_dist_cpu_shims():
         return dist_checkpointing.load(template, ckpt)
+
+
+def _fastpersist_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
+    """Our loader, checksums verified (megatron-core 0.17+ must be given it: no registry)."""
+    return dist_checkpointing.load(template, ckpt, sharded_strategy=FastPersistLoadStrategy())
 
 
 def _torch_save_file(ckpt: str) -> str:
@@ -169,15 +189,20 @@ def _device_bound_read(template: dict, ckpt: str, config: WriteConfig) -> dict:
 CONTENDERS: dict[str, Contender] = {
     DEVICE_BOUND: Contender(_device_bound_write, _device_bound_read, False,
                             "sequential O_DIRECT aio write/read of each rank's even share, fsynced (fio-like)"),
-    "fastpersist": Contender(_fastpersist_save, _megatron_load, True, "FastPersistSaveStrategy, synchronous"),
-    "fastpersist_async": Contender(_fastpersist_async_save, _megatron_load, True,
+    "fastpersist": Contender(_fastpersist_save, _fastpersist_load, True,
+                             "FastPersistSaveStrategy, native format, synchronous; our loader"),
+    "fastpersist_async": Contender(_fastpersist_async_save, _fastpersist_load, True,
                                    "FastPersistSaveStrategy.async_save + AsyncSaveQueue, until durable"),
-    "fastpersist_unbalanced": Contender(_unbalanced_save, _megatron_load, True,
+    "fastpersist_unbalanced": Contender(_unbalanced_save, _fastpersist_load, True,
                                         "FastPersist with balance=False: main replicas write everything"),
+    "fastpersist_dcp": Contender(_dcp_save, _megatron_load, True,
+                                 "FastPersistSaveStrategy, torch_dist (DCP) format; megatron's stock loader"),
+    "fastpersist_dcp_fully_parallel": Contender(_dcp_fully_parallel_save, _megatron_load, True,
+                                                "FullyParallelSaveStrategyWrapper(FastPersist torch_dist, balance off)"),
     "torch_dist": Contender(_torch_dist_save, _megatron_load, True, "megatron torch_dist"),
     "torch_dist_fully_parallel": Contender(_fully_parallel_save, _megatron_load, True,
                                            "megatron FullyParallelSaveStrategyWrapper(torch_dist)"),
     "torch_save": Contender(_torch_save, _torch_load, False, "torch.save of each rank's main replicas + fsync"),
 }
-DEFAULT_CONTENDERS = (DEVICE_BOUND, "fastpersist", "fastpersist_async", "torch_dist", "torch_dist_fully_parallel",
-                      "torch_save")
+DEFAULT_CONTENDERS = (DEVICE_BOUND, "fastpersist", "fastpersist_async", "fastpersist_dcp", "torch_dist",
+                      "torch_dist_fully_parallel", "torch_save")

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from ..async_queue import collective_device
 from ..commit import read_index
 from ..config import WriteConfig
-from ..format import INDEX_FILE, data_file_name
+from ..checkpoint_formats import BY_CONTAINER
+from ..format import INDEX_FILE
 from ..storage.deepspeed_ops import aio_resources
 from ..storage.writer import preload_ops
 from .baselines import CONTENDERS, DEFAULT_CONTENDERS, DEVICE_BOUND, SHIM_NOTE
@@ -105,7 +106,8 @@ def _bytes_per_rank(ckpt: str) -> list[int]:
     if not os.path.exists(os.path.join(ckpt, INDEX_FILE)):
         return []
     index = read_index(ckpt, "bench")
-    return [index.files.get(data_file_name(r), 0) for r in range(index.world_size)]
+    fmt = BY_CONTAINER[index.container]
+    return [index.files.get(fmt.data_file(r), 0) for r in range(index.world_size)]
 
 
 def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:

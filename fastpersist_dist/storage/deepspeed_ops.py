@@ -9,6 +9,10 @@ Two DeepSpeed 0.19 traps are handled here, once:
 * An aio handle created before ``fork`` hangs in the child: handles and their
   locked bounce buffers are cached per process id, so a forked writer always
   makes its own.
+
+The ops are built (JIT, minutes) into ``<venv>/torch_ext`` unless
+``TORCH_EXTENSIONS_DIR`` says otherwise: one cache per virtualenv, so venvs of
+different torch or megatron-core stacks never load each other's builds.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -27,9 +32,15 @@ _AIO_MODULE: Optional[Any] = None
 _AIO_ERROR: Optional[str] = None
 
 
+def use_venv_extension_cache() -> None:
+    """Build and load native ops under this virtualenv unless ``TORCH_EXTENSIONS_DIR`` is set."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ext"))
+
+
 def aio_module() -> Any:
     """The built ``async_io`` extension (built on first use: minutes; prebuilt by scripts/setup.sh)."""
     global _AIO_MODULE, _AIO_ERROR
+    use_venv_extension_cache()
     if _AIO_MODULE is None and _AIO_ERROR is None:
         try:
             from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -56,6 +67,7 @@ def ensure_fast_file_writer_usable() -> None:
     from deepspeed.io import fast_file_writer
     from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder
 
+    use_venv_extension_cache()
     current = fast_file_writer.UtilsBuilder
     if isinstance(current, type) and issubclass(current, NotImplementedBuilder):
         from deepspeed.ops.op_builder.utils import UtilsBuilder
@@ -93,12 +105,25 @@ def _check_memlock(nbytes: int) -> None:
         )
 
 
+def _skip_offload_endurance_warning() -> None:
+    """Mark DeepSpeed's once-per-process NVMe endurance warning as shown.
+
+    Its native op logs it at the first aio write of every process (each forked
+    writer too); it is advice about ZeRO-Infinity offloading, which rewrites the
+    drive continuously, not about a checkpoint written every N steps.
+    """
+    import deepspeed.utils
+
+    deepspeed.utils._deepspeed_nvme_write_warning_emitted = True  # the marker its C++ side checks
+
+
 class AioResources:
     """An aio handle and its page-locked bounce buffer, owned by one process."""
 
     def __init__(self, settings: AioSettings):
         mod = aio_module()
         _check_memlock(settings.buffer_bytes)
+        _skip_offload_endurance_warning()
         self.settings = settings
         self.handle = mod.aio_handle(
             settings.block_size, settings.queue_depth, False, True, settings.intra_op_parallelism

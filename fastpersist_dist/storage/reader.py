@@ -16,7 +16,7 @@ import torch
 from ..checksum import first_bad_block
 from ..errors import CorruptCheckpointError
 from ..format import CheckpointIndex, ShardRecord, dtype_from_name
-from ..layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs, flat_range_to_boxes
+from ..layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs
 
 # Gaps up to this size between needed runs are read through rather than skipped.
 MAX_READ_GAP = 256 << 10
@@ -136,7 +136,7 @@ class ShardReader:
                 self.read_box(record, extent, off, shp, dest.narrow(axis, lo, n))
             return
         starts, run = contiguous_runs(extent.shape, sub_off, sub_shape)
-        base = extent.byte_start
+        base = record.data_offset + extent.byte_start
         ranges = coalesce(starts * size + base, run * size, MAX_READ_GAP)
         if self.verify:
             ranges = blocks_touched(ranges, self.index.checksum_block_bytes, record.length)
@@ -153,7 +153,8 @@ class ShardReader:
             piece = staging[a - lo : b - lo]
             self._pread(record, piece, a)
             self._check(record, piece, a)
-        elements = staging.view(saved_dtype)
+        # Whole checksum blocks may reach into a torch.save archive's trailer: not whole elements.
+        elements = staging[: staging.numel() // size * size].view(saved_dtype)
         src = torch.as_strided(elements, sub_shape, strides, (base - lo) // size + first)
         dest.copy_(src)
 
@@ -170,16 +171,3 @@ def _direct_target(dest: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Ten
     if dest.device.type != "cpu" or dest.dtype != dtype or not dest.is_contiguous():
         return None
     return dest.reshape(-1).view(torch.uint8)
-
-
-def record_extents(record: ShardRecord) -> list[Extent]:
-    """The contiguous boxes (global coordinates) a tensor record holds."""
-    box = (1,) * record.prepend_axis_num + record.local_shape
-    if record.flattened_range is None:
-        return [Extent(record.global_offset, box, 0)]
-    size = dtype_from_name(record.dtype).itemsize
-    start, stop = record.flattened_range
-    return [
-        Extent(tuple(g + o for g, o in zip(record.global_offset, off)), shape, (fs - start) * size)
-        for off, shape, fs in flat_range_to_boxes(box, start, stop)
-    ]

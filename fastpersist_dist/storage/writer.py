@@ -19,11 +19,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
-from ..checksum import block_checksums, digest_bytes
+from ..checksum import BlockHasher, digest_bytes
 from ..config import MiB, WriteConfig
 from ..errors import FastPersistError
 from ..format import ShardRecord, with_checksums
@@ -144,6 +144,20 @@ def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
         return _BufferedSink(path)
 
 
+@dataclass
+class WriteItem:
+    """One placed record and its bytes: a container's framing around 1-D uint8 host data.
+
+    ``len(prefix) + data.numel() + len(suffix) == record.length``; the checksums
+    cover all of it (a torch_dist reader parses the framing too).
+    """
+
+    record: ShardRecord
+    data: torch.Tensor
+    prefix: bytes = b""
+    suffix: bytes = b""
+
+
 @dataclass(frozen=True)
 class WriteResult:
     """What one rank wrote: records with checksums, and how fast."""
@@ -212,11 +226,11 @@ def _remove_partial(path: str) -> None:
 
 def write_rank_file(
     path: str,
-    shards: list[tuple[ShardRecord, torch.Tensor]],
+    items: list[WriteItem],
     cfg: WriteConfig,
     rank: int,
 ) -> WriteResult:
-    """Write ``shards`` (records placed by the planner, 1-D uint8 host data) to ``path`` durably.
+    """Write ``items`` (records placed by the planner, back to back) to ``path`` durably.
 
     Returns the records with their checksums. Raises if the file on disk does
     not hold exactly the planned bytes after fsync, or if a block read back (see
@@ -226,7 +240,7 @@ def write_rank_file(
     start_time = time.perf_counter()
     block = cfg.checksum_block_bytes
     chunk = max(block, 64 * MiB // block * block)
-    expected = sum(r.length for r, _ in shards)
+    expected = sum(item.record.length for item in items)
     if os.path.lexists(path):
         os.unlink(path)  # FastFileWriter opens without O_TRUNC: old bytes would survive.
     try:
@@ -236,7 +250,7 @@ def write_rank_file(
         raise FastPersistError(f"rank {rank}: cannot open {path} for writing: {e}") from e
     phases = Phases()
     try:
-        out = _stream(path, sink, shards, block, chunk, rank, phases)
+        out = _stream(path, sink, items, block, chunk, rank, phases)
         os.chmod(path, 0o644)  # FastFileWriter creates files with mode 0o777 (minus umask)
         size = os.stat(path).st_size
         if size != expected:
@@ -251,7 +265,7 @@ def write_rank_file(
         _remove_partial(path)
         raise
     seconds = time.perf_counter() - start_time
-    logger.info(
+    logger.debug(
         "fastpersist: rank %d wrote %.3f GiB to %s in %.2f s (%.2f GiB/s, %s): %s",
         rank, expected / 2**30, path, seconds, expected / 2**30 / max(seconds, 1e-9), sink.mode, phases,
     )
@@ -259,26 +273,24 @@ def write_rank_file(
 
 
 def _stream(
-    path: str, sink: _Sink, shards: list[tuple[ShardRecord, torch.Tensor]], block: int, chunk: int, rank: int,
-    phases: Phases,
+    path: str, sink: _Sink, items: list[WriteItem], block: int, chunk: int, rank: int, phases: Phases,
 ) -> list[ShardRecord]:
-    """Push every shard through ``sink``, checksumming as bytes pass; close (fsync) it.
+    """Push every item through ``sink``, checksumming as bytes pass; close (fsync) it.
 
     ``phases`` gets "checksum", "copy+aio" (bounce-buffer copies and the aio
     waits the double buffer cannot hide) and "flush+fsync".
     """
     out: list[ShardRecord] = []
     try:
-        for record, data in shards:
-            where = f"writing {record.describe()}"
-            sums: list[str] = []
-            for pos in range(0, record.length, chunk):
-                piece = data[pos : pos + chunk]
-                sums.extend(block_checksums(piece.numpy(), block))
+        for item in items:
+            where = f"writing {item.record.describe()}"
+            hasher = BlockHasher(block)
+            for piece in _pieces(item, chunk):
+                hasher.update(piece.numpy())
                 phases.mark("checksum")
                 sink.write(piece)
                 phases.mark("copy+aio")
-            out.append(with_checksums(record, sums))
+            out.append(with_checksums(item.record, hasher.finish()))
         where = "flushing and fsyncing"
         sink.close()
         phases.mark("flush+fsync")
@@ -290,3 +302,13 @@ def _stream(
                 logger.debug("closing %s after a failed write also failed", path, exc_info=True)
         raise FastPersistError(f"rank {rank}: {where} in {path} failed: {type(e).__name__}: {e}") from e
     return out
+
+
+def _pieces(item: WriteItem, chunk: int) -> Iterator[torch.Tensor]:
+    """The item's bytes in order as 1-D uint8 tensors of at most ``chunk`` bytes (framing whole)."""
+    if item.prefix:
+        yield torch.frombuffer(bytearray(item.prefix), dtype=torch.uint8)
+    for pos in range(0, item.data.numel(), chunk):
+        yield item.data[pos : pos + chunk]
+    if item.suffix:
+        yield torch.frombuffer(bytearray(item.suffix), dtype=torch.uint8)

@@ -1,0 +1,60 @@
+"""The one place that knows which megatron-core is installed.
+
+megatron-core changed its strategy contract in 0.17: the strategy registry is
+gone (0.19 also deleted ``strategies/base.py``), ``save()`` keeps only
+``TorchDistSaveShardedStrategy`` subclasses, ``load()`` passes an
+``async_strategy`` and async requests come from ``get_async_strategy``. Each
+contract has a thin adapter module exporting the same names; the engine and
+the strategies import them from here and never test versions themselves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+if importlib.util.find_spec("megatron.core.dist_checkpointing.strategies.base") is not None:
+    from megatron.core.dist_checkpointing.strategies import base as _base
+
+    _HAS_REGISTRY = hasattr(_base, "register_default_strategy")
+else:
+    _HAS_REGISTRY = False
+
+if _HAS_REGISTRY:
+    from .mcore_016 import (
+        ASYNC_SAVE_KWARGS,
+        DEFAULT_FORMAT,
+        MCORE_API,
+        REGISTRY,
+        LoadStrategyBase,
+        SaveStrategyBase,
+        common_files,
+        request_type,
+        register,
+        stock_load,
+    )
+else:
+    from .mcore_017 import (  # type: ignore[assignment]
+        ASYNC_SAVE_KWARGS,
+        DEFAULT_FORMAT,
+        MCORE_API,
+        REGISTRY,
+        LoadStrategyBase,
+        SaveStrategyBase,
+        common_files,
+        request_type,
+        register,
+        stock_load,
+    )
+
+__all__ = [
+    "ASYNC_SAVE_KWARGS",
+    "DEFAULT_FORMAT",
+    "MCORE_API",
+    "REGISTRY",
+    "LoadStrategyBase",
+    "SaveStrategyBase",
+    "common_files",
+    "request_type",
+    "register",
+    "stock_load",
+]

@@ -1,0 +1,52 @@
+"""Adapter for megatron-core <= 0.16: strategy registry, ``base.py`` strategy classes.
+
+``save()`` uses any ``AsyncSaveShardedStrategy`` it is given and writes
+``common.pt`` itself; ``load()`` picks the loader registered for the backend
+named in ``metadata.json``. The native ``fastpersist`` format is the default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadShardedStrategy,
+    StrategyAction,
+    default_strategies,
+    register_default_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+MCORE_API = "0.16"
+REGISTRY = True  # save() and load() look strategies up by (backend, version)
+DEFAULT_FORMAT = "fastpersist"
+# Keyword arguments of megatron's save() for an AsyncRequest that megatron's or our queue runs.
+ASYNC_SAVE_KWARGS: dict = {}
+SaveStrategyBase = AsyncSaveShardedStrategy
+LoadStrategyBase = LoadShardedStrategy
+
+
+def request_type(async_strategy: Optional[str]) -> Callable[[Callable[..., None], tuple, list], AsyncRequest]:
+    """How to make the request megatron's (and our) async queue runs; 0.16 has one kind of queue."""
+    return AsyncRequest
+
+
+def common_files(sharded_state_dict: dict, rank: int, write_common_pt: bool) -> dict[str, bytes]:
+    """Nothing: megatron-core 0.16's ``save()`` wrote ``common.pt`` before the strategy ran."""
+    return {}
+
+
+def stock_load(sharded_state_dict: Any, checkpoint_dir: str, async_strategy: Optional[str]) -> Any:
+    """megatron's own loader, for torch_dist checkpoints that have no FastPersist sidecar."""
+    return TorchDistLoadShardedStrategy().load(sharded_state_dict, checkpoint_dir)
+
+
+def register(save_strategy: Any, load_strategy: Any, backend: str, version: int) -> None:
+    """Register default save and load strategies for ``(backend, version)``; idempotent."""
+    key = (backend, version)
+    if key not in default_strategies[StrategyAction.SAVE_SHARDED.value]:
+        register_default_strategy(StrategyAction.SAVE_SHARDED, backend, version, save_strategy)
+    if key not in default_strategies[StrategyAction.LOAD_SHARDED.value]:
+        register_default_strategy(StrategyAction.LOAD_SHARDED, backend, version, load_strategy)

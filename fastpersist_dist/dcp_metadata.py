@@ -1,0 +1,80 @@
+"""torch DCP's ``.metadata`` for the records of a ``torch_dist``-format checkpoint. Pure (no I/O).
+
+torch's ``FileSystemReader`` unpickles ``.metadata`` (a
+``torch.distributed.checkpoint.metadata.Metadata``) and reads each item from
+``storage_data``: a tensor item is a ``torch.save`` archive at a byte range of a
+``.distcp`` file, an object item the raw bytes of a ``torch.save`` payload.
+Megatron keys tensors by ``ShardedTensor.key`` and objects by
+``ShardedObject.unique_key``; a tensor chunk is the global box of the shard
+(prepended axes included), as megatron's own ``torch_dist`` writes it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import uuid
+from typing import Union
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .coverage import record_extents
+from .errors import FastPersistError
+from .format import KIND_TENSOR, ShardRecord, dtype_from_name
+from .layout import Extent
+
+DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION when written
+
+
+def object_fqn(record: ShardRecord) -> str:
+    """DCP key of an object record: megatron's ``ShardedObject.unique_key``."""
+    return ShardedObject(record.key, None, record.global_shape, record.global_offset, 0).unique_key
+
+
+def stored_box(record: ShardRecord) -> Extent:
+    """The one global box a tensor record holds (a DCP chunk); raises if it holds several.
+
+    Pieces planned for the ``torch_dist`` format are cut at whole rows, so each is one box.
+    """
+    extents = record_extents(record)
+    if len(extents) != 1:
+        raise FastPersistError(f"{record.describe()}: a torch_dist chunk must be one box, this record holds {len(extents)}")
+    return extents[0]
+
+
+def build_metadata(records: list[ShardRecord], checkpoint_dir: str) -> Metadata:
+    """The DCP ``Metadata`` describing ``records`` (placed in their files, with their framing)."""
+    state: dict[str, Union[TensorStorageMetadata, BytesStorageMetadata]] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for r in records:
+        if r.kind == KIND_TENSOR:
+            box = stored_box(r)
+            md = state.setdefault(r.key, TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype_from_name(r.dtype)), size=torch.Size(r.global_shape), chunks=[],
+            ))
+            md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(box.offset), sizes=torch.Size(box.shape)))
+            index = MetadataIndex(r.key, torch.Size(box.offset))
+        else:
+            fqn = object_fqn(r)
+            state[fqn] = BytesStorageMetadata()
+            index = MetadataIndex(fqn)
+        storage[index] = _StorageInfo(relative_path=r.file, offset=r.offset, length=r.length)
+    return Metadata(
+        state_dict_metadata=state, planner_data=None, storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_dir, save_id=str(uuid.uuid4())), version=DCP_VERSION,
+    )
+
+
+def metadata_bytes(records: list[ShardRecord], checkpoint_dir: str) -> bytes:
+    """``.metadata`` as torch's ``FileSystemWriter.finish`` pickles it."""
+    return pickle.dumps(build_metadata(records, checkpoint_dir))

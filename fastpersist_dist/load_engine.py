@@ -1,0 +1,158 @@
+"""One load: fill requested shards from any saved sharding, verifying checksums. Version-agnostic.
+
+Each requested ShardedTensor is a box of its global tensor; every stored
+extent that intersects it contributes exactly the intersecting elements, so a
+checkpoint saved on 2 ranks loads whole on 1 rank or split on 4. Coverage is
+counted: a request not fully covered by the checkpoint is an error, never
+uninitialized memory (where ``allow_shape_mismatch`` lets a request reach past
+the saved tensor, the rest is zero). Both formats load here: the index lists
+every record's byte range, so a ``torch_dist`` record is read like a native
+one, past its ``torch.save`` framing.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import pickle
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+from .checkpoint_formats import BY_CONTAINER
+from .coverage import record_extents
+from .errors import FastPersistError
+from .format import KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, dtype_from_name
+from .layout import Extent, intersect
+from .storage.reader import ShardReader
+
+logger = logging.getLogger(__name__)
+
+
+class Loader:
+    """One load: the index grouped by key, and an open reader.
+
+    :meth:`load` plans the reads of one requested item (use it with megatron's
+    ``dict_list_map_inplace``); :meth:`run` executes them.
+    """
+
+    def __init__(self, index: CheckpointIndex, reader: ShardReader, rank: int, trust_objects: bool):
+        self.reader = reader
+        self.rank = rank
+        self.trust_objects = trust_objects
+        self.fmt = BY_CONTAINER[index.container]
+        self.tensors: dict[str, list[ShardRecord]] = defaultdict(list)
+        self.objects: dict[tuple[str, tuple[int, ...]], ShardRecord] = {}
+        for r in index.records:
+            if r.kind == KIND_TENSOR:
+                self.tensors[r.key].append(r)
+            else:
+                self.objects[(r.key, r.global_offset)] = r
+        self.nbytes = 0
+        # Reads are planned per request, then run in file order (see run()).
+        self.reads: list[tuple[ShardRecord, Extent, tuple[int, ...], tuple[int, ...], torch.Tensor]] = []
+
+    def load(self, item: Any) -> Any:
+        """The loaded value of a ShardedTensor (reads planned) or ShardedObject (read now); others unchanged."""
+        if isinstance(item, ShardedTensor):
+            return self.load_tensor(item)
+        if isinstance(item, ShardedObject):
+            return self.load_object(item)
+        return item
+
+    def load_tensor(self, sh: ShardedTensor) -> torch.Tensor:
+        """Plan the reads filling ``sh``; returns its destination tensor (``sh.data`` when it fits)."""
+        where = f"rank {self.rank}: tensor '{sh.key}' (global offset {tuple(sh.global_offset)})"
+        records = self.tensors.get(sh.key)
+        if not records:
+            raise FastPersistError(f"{where} is not in checkpoint {self.reader.dir}")
+        saved_shape = records[0].global_shape
+        if saved_shape != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
+            raise FastPersistError(
+                f"{where}: requested global shape {tuple(sh.global_shape)} but the checkpoint holds {saved_shape}"
+            )
+        dest = sh.data
+        if not isinstance(dest, torch.Tensor) or tuple(dest.shape) != tuple(sh.local_shape):
+            dest = torch.empty(sh.local_shape, dtype=sh.dtype)
+        box_dest = dest.detach()  # loads in place, also into parameters that require grad
+        for _ in range(sh.prepend_axis_num):
+            box_dest = box_dest.unsqueeze(0)
+        req_off = tuple(sh.global_offset)
+        req_shape = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+        covered = 0
+        for rec in records:
+            for ext in record_extents(rec):
+                inter = intersect(req_off, req_shape, ext.offset, ext.shape)
+                if inter is None:
+                    continue
+                off, shape = inter
+                view = box_dest[tuple(slice(o - r, o - r + n) for o, r, n in zip(off, req_off, shape))]
+                self.reads.append((rec, ext, tuple(o - e for o, e in zip(off, ext.offset)), shape, view))
+                covered += math.prod(shape)
+        wanted = intersect(req_off, req_shape, (0,) * len(saved_shape), saved_shape)
+        expected = 0 if wanted is None else math.prod(wanted[1])
+        if covered != expected:
+            kind = "overlapping shards in the index" if covered > expected else "shards missing from the checkpoint"
+            raise FastPersistError(f"{where}: {covered} of {expected} elements found ({kind})")
+        if expected < math.prod(req_shape):  # allow_shape_mismatch: no stale or uninitialized elements
+            dest.detach().zero_()
+        self.nbytes += covered * dtype_from_name(records[0].dtype).itemsize
+        return dest
+
+    def run(self, threads: int) -> None:
+        """Execute the planned reads sorted by file and offset: sequential I/O, whatever the dict order.
+
+        With ``threads`` > 1, consecutive reads run on a small pool, so one
+        read's I/O overlaps another's checksum and copy (all release the GIL).
+        """
+        self.reads.sort(key=lambda r: (r[0].file, r[0].offset + r[0].data_offset + r[1].byte_start))
+        reads, self.reads = self.reads, []
+        if threads <= 1 or len(reads) < 2:
+            for rec, ext, sub_off, shape, view in reads:
+                self.reader.read_box(rec, ext, sub_off, shape, view)
+            return
+        self.reader.open_all({rec.file for rec, *_ in reads})
+        with ThreadPoolExecutor(threads, thread_name_prefix="fastpersist-read") as pool:
+            for done in [pool.submit(self.reader.read_box, *read) for read in reads]:
+                done.result()
+
+    def load_object(self, sh: ShardedObject) -> Any:
+        """Read, verify and unpickle a ShardedObject (``weights_only`` unless objects are trusted)."""
+        where = f"rank {self.rank}: object '{sh.unique_key}'"
+        rec = self.objects.get((sh.key, tuple(sh.global_offset)))
+        if rec is None:
+            raise FastPersistError(f"{where} is not in checkpoint {self.reader.dir}")
+        payload = self.reader.read_object(rec)
+        self.nbytes += len(payload)
+        try:
+            loaded = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=not self.trust_objects)
+        except pickle.UnpicklingError as e:
+            raise FastPersistError(
+                f"{where} needs types outside torch's weights_only allow-list ({e}); for a checkpoint you trust, "
+                "use FastPersistLoadStrategy(trust_objects=True) or torch.serialization.add_safe_globals"
+            ) from e
+        return self.fmt.object_from_loaded(loaded, where)
+
+
+def tensors_metadata(index: CheckpointIndex) -> dict[str, ShardedTensor]:
+    """Global shape and dtype of every stored tensor, as data-less ShardedTensors."""
+    out: dict[str, ShardedTensor] = {}
+    for r in index.records:
+        if r.kind == KIND_TENSOR and r.key not in out:
+            meta = torch.empty(r.global_shape, dtype=dtype_from_name(r.dtype), device="meta")
+            out[r.key] = ShardedTensor.from_rank_offsets(r.key, meta).without_data()
+    return out
+
+
+def sharded_metadata(index: CheckpointIndex) -> dict[str, Any]:
+    """Tensor metadata plus every stored ShardedObject, keyed by its unique key."""
+    out: dict[str, Any] = dict(tensors_metadata(index))
+    for r in index.records:
+        if r.kind == KIND_OBJECT:
+            obj = ShardedObject(r.key, None, r.global_shape, r.global_offset, 0)
+            out[obj.unique_key] = obj
+    return out
