@@ -192,7 +192,8 @@ def parser() -> argparse.ArgumentParser:
     _state_args(b)
     b.add_argument("--contenders", default=None,
                    help="comma-separated list (default: all of device_bound, fastpersist, fastpersist_async, "
-                        "torch_dist, torch_dist_fully_parallel, torch_save; also fastpersist_unbalanced)")
+                        "fastpersist_dcp, torch_dist, torch_dist_fully_parallel, torch_save; also "
+                        "fastpersist_unbalanced, fastpersist_dcp_fully_parallel)")
     b.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     b.add_argument("--keep", action="store_true", help="keep the last checkpoint of each contender")
     b.add_argument("--plot", metavar="PATH.png", help="also draw the report as a GiB/s bar chart")

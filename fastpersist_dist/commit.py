@@ -167,7 +167,7 @@ def invalidate(checkpoint_dir: str) -> None:
         os.unlink(os.path.join(checkpoint_dir, marker))
     if removed:
         fsync_dir(checkpoint_dir)
-        logger.info("fastpersist: overwriting the checkpoint in %s; its %s removed first",
+        logger.debug("fastpersist: overwriting the checkpoint in %s; its %s removed first",
                        checkpoint_dir, " and ".join(removed) + (" were" if len(removed) > 1 else " was"))
     for name in os.listdir(checkpoint_dir):
         if is_data_file(name) or STATUS_FILE_RE.match(name) or name.endswith(".tmp"):

@@ -28,6 +28,10 @@ from .format import KIND_TENSOR, ShardRecord, itemsize
 
 SPLIT_UNIT = 1 << 20  # piece boundaries fall on multiples of this many bytes (rounded up to whole rows)
 SHARE_SLACK = 64  # shards up to 1/64 of a rank's fair share are never split
+# A plan of whole shards is kept when its busiest rank writes at most this much more than
+# the mean: fewer, larger records are cheaper to write and to read (one DCP chunk each;
+# measured with `bench --contenders fastpersist_dcp,fastpersist_dcp_fully_parallel`).
+WHOLE_SHARD_SLACK = 1.02
 
 
 class PlanError(FastPersistError):
@@ -125,22 +129,34 @@ def plan_writes(
     ``held[r]`` lists what rank ``r`` holds. Without ``balance`` every shard is
     written whole by its main replica. With it, shards with fewer holders are
     placed first (the widely replicated ones then even out what they left),
-    largest first among equals: whole onto the least-loaded holder when
-    small, water-filled over their holders when large. Raises
+    largest first among equals, onto the least-loaded holder. If that plan of
+    whole shards is balanced (see ``WHOLE_SHARD_SLACK``) it is the plan;
+    otherwise large shards are water-filled over their holders. Raises
     :class:`PlanError` when replicas disagree or a shard has two main replicas.
     """
     world = len(held)
+    planned = [s for s in _group(held) if s.main_rank is not None]  # shards without one: reported by coverage
+    if not balance:
+        return _assign(planned, world, False, None, unit)
+    planned.sort(key=lambda s: (len(s.holders), -s.length))  # stable: ties keep key order
+    whole = _assign(planned, world, True, None, unit)
+    per_rank = [sum(r.length for r in records) for records in whole]
+    if max(per_rank, default=0) <= WHOLE_SHARD_SLACK * sum(per_rank) / max(world, 1):
+        return whole
+    fair_share = sum(s.length for s in planned) // max(world, 1)
+    return _assign(planned, world, True, max(2 * unit, fair_share // SHARE_SLACK), unit)
+
+
+def _assign(
+    planned: list[_Shard], world: int, balance: bool, split_above: Optional[int], unit: int,
+) -> list[list[ShardRecord]]:
+    """Place ``planned`` in order: whole on the least-loaded holder, or water-filled when above ``split_above``."""
     load = [0] * world
     out: list[list[ShardRecord]] = [[] for _ in range(world)]
-    planned = [s for s in _group(held) if s.main_rank is not None]  # shards without one: reported by coverage
-    fair_share = sum(s.length for s in planned) // max(world, 1)
-    split_above = max(2 * unit, fair_share // SHARE_SLACK)
-    if balance:
-        planned.sort(key=lambda s: (len(s.holders), -s.length))  # stable: ties keep key order
     for s in planned:
         main_record = s.holders[s.main_rank]
         holders = sorted(s.holders) if balance and main_record.kind == KIND_TENSOR else [s.main_rank]
-        if len(holders) == 1 or s.length <= split_above:
+        if len(holders) == 1 or split_above is None or s.length <= split_above:
             rank = min(holders, key=lambda c: (load[c], c))
             out[rank].append(s.holders[rank])
             load[rank] += s.length

@@ -84,7 +84,7 @@ def _exchange(outgoing: Any, local_error: Optional[str], what: str) -> list[Any]
 def _log_plan(plan: list[list], reused: bool) -> None:
     per_rank = [sum(r.length for r in records) for records in plan]
     mean = sum(per_rank) / len(per_rank)
-    logger.info(
+    logger.debug(
         "fastpersist: write plan %s: %d records, bytes per rank %s (max/mean %.3f)",
         "reused" if reused else "made", sum(map(len, plan)), per_rank, max(per_rank) / mean if mean else 1.0,
     )

@@ -10,7 +10,7 @@ import pytest
 from fastpersist_dist.bench.gpt_state import GptShape
 from fastpersist_dist.coverage import coverage_errors
 from fastpersist_dist.format import KIND_OBJECT, KIND_TENSOR, ShardRecord
-from fastpersist_dist.plan import PlanCache, PlanError, plan_writes
+from fastpersist_dist.plan import WHOLE_SHARD_SLACK, PlanCache, PlanError, plan_writes
 
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
 
@@ -97,12 +97,19 @@ def test_without_balance_main_replicas_write_whole_shards():
 
 
 def test_large_replicated_shards_are_split_into_element_ranges():
-    held = gpt_layout(1, 4)
+    held = gpt_layout(1, 4, hidden=256)  # the 1 GiB "huge" tensor dominates: whole shards cannot balance
     plan = plan_writes(held)
     huge = sorted((r.flattened_range, rank) for rank, records in enumerate(plan) for r in records if r.key == "huge")
     assert [rank for _, rank in huge] == [0, 1, 2, 3]  # the largest shard comes first: four equal quarters
     assert [fr for fr, _ in huge] == [(i << 26, (i + 1) << 26) for i in range(4)]
     assert all(r.flattened_range is None for records in plan for r in records if r.key.startswith("tiny."))
+
+
+def test_whole_shards_are_kept_when_they_balance():
+    held = gpt_layout(1, 4)  # many large tensors: whole-shard placement is within WHOLE_SHARD_SLACK
+    plan = plan_writes(held)
+    assert check_plan(held, plan) <= WHOLE_SHARD_SLACK
+    assert all(r.flattened_range is None for records in plan for r in records)
 
 
 def test_no_replicas_means_no_choice():

@@ -20,36 +20,23 @@ else:
     _HAS_REGISTRY = False
 
 if _HAS_REGISTRY:
-    from .mcore_016 import (
-        ASYNC_SAVE_KWARGS,
-        DEFAULT_FORMAT,
-        MCORE_API,
-        REGISTRY,
-        LoadStrategyBase,
-        SaveStrategyBase,
-        common_files,
-        request_type,
-        register,
-        stock_load,
-    )
+    from . import mcore_016 as _adapter
 else:
-    from .mcore_017 import (  # type: ignore[assignment]
-        ASYNC_SAVE_KWARGS,
-        DEFAULT_FORMAT,
-        MCORE_API,
-        REGISTRY,
-        LoadStrategyBase,
-        SaveStrategyBase,
-        common_files,
-        request_type,
-        register,
-        stock_load,
-    )
+    from . import mcore_017 as _adapter  # type: ignore[no-redef]
+
+REGISTRY = _adapter.REGISTRY
+DEFAULT_FORMAT = _adapter.DEFAULT_FORMAT
+ASYNC_SAVE_KWARGS = _adapter.ASYNC_SAVE_KWARGS
+SaveStrategyBase = _adapter.SaveStrategyBase
+LoadStrategyBase = _adapter.LoadStrategyBase
+request_type = _adapter.request_type
+common_files = _adapter.common_files
+stock_load = _adapter.stock_load
+register = _adapter.register
 
 __all__ = [
     "ASYNC_SAVE_KWARGS",
     "DEFAULT_FORMAT",
-    "MCORE_API",
     "REGISTRY",
     "LoadStrategyBase",
     "SaveStrategyBase",

@@ -26,7 +26,6 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 
 from ..errors import FastPersistError
 
-MCORE_API = "0.17+"
 REGISTRY = False
 DEFAULT_FORMAT = "torch_dist"
 # Keyword arguments of megatron's save() for an AsyncRequest that megatron's or our queue runs
