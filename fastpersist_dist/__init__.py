@@ -4,12 +4,12 @@ On megatron-core 0.16, importing the package registers the ('fastpersist', 1)
 save and load strategies; 0.17+ has no registry (see ``compat``).
 """
 
+from . import compat
 from .async_queue import AsyncSaveQueue
 from .commit import prepare_checkpoint_dir
 from .config import WriteConfig
 from .errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
 from .format import BACKEND, BACKEND_VERSION
-from . import compat
 from .registry import register
 from .strategies.fastpersist_load import FastPersistLoadStrategy
 from .strategies.fastpersist_save import FastPersistSaveStrategy

@@ -138,7 +138,8 @@ def _verify(args: argparse.Namespace) -> int:
         return 2
     for problem in report.problems:
         print(f"PROBLEM: {problem}")
-    state = "OK" if report.ok else f"FAILED ({len(report.problems)} problems)"
+    count = len(report.problems)
+    state = "OK" if report.ok else f"FAILED ({count} problem{'' if count == 1 else 's'})"
     print(
         f"verify: {report.directory}: {state}; {report.tensors} tensors in {report.records} records, "
         f"{report.bytes_checked / 2**30:.3f} GiB checksummed"

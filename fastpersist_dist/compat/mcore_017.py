@@ -6,9 +6,12 @@ subclasses it, overriding ``save``/``async_save`` entirely. ``load()`` defaults
 to ``TorchDistLoadShardedStrategy``: the ``torch_dist`` format (DCP files) is
 therefore the default here, so a plain ``load(sd, dir)`` reads our checkpoints.
 Async requests are built by the class ``get_async_strategy`` names for the
-caller's ``async_strategy`` ("mcore" or "nvrx"). The common state arrives as a
-``common_state`` ShardedObject and is stored like any object; on request it is
-also committed as ``common.pt``, which megatron-core <= 0.16 needs to load it.
+caller's ``async_strategy`` ("mcore" or "nvrx"). The common state: 0.17 and
+0.18 write ``common.pt`` themselves (and load needs it); 0.19 passes it as a
+``common_state`` ShardedObject, stored like any object, and on request also
+committed as ``common.pt``, which megatron-core <= 0.18 needs to load it.
+(0.17.1 and 0.18.2 were read, not run: their save/load/async entry points are
+the ones used here.)
 """
 
 from __future__ import annotations
