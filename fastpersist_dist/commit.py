@@ -52,6 +52,7 @@ from .format import (
 from .storage.writer import WriteResult
 
 logger = logging.getLogger(__name__)
+TMP_SUFFIX = ".fastpersist.tmp"  # atomic_write's temp files: only ours are removed when overwriting
 
 
 def fsync_dir(path: str) -> None:
@@ -65,7 +66,7 @@ def fsync_dir(path: str) -> None:
 
 def atomic_write(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file, or the whole new one."""
-    tmp = f"{path}.tmp"
+    tmp = f"{path}{TMP_SUFFIX}"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -170,7 +171,7 @@ def invalidate(checkpoint_dir: str) -> None:
         logger.debug("fastpersist: overwriting the checkpoint in %s; its %s removed first",
                        checkpoint_dir, " and ".join(removed) + (" were" if len(removed) > 1 else " was"))
     for name in os.listdir(checkpoint_dir):
-        if is_data_file(name) or STATUS_FILE_RE.match(name) or name.endswith(".tmp"):
+        if is_data_file(name) or STATUS_FILE_RE.match(name) or name.endswith(TMP_SUFFIX):
             os.unlink(os.path.join(checkpoint_dir, name))
     fsync_dir(checkpoint_dir)
 

@@ -55,6 +55,9 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
         if read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         super().__init__()
+        # megatron-core 0.19's load() dequantizes FP8 (Transformer Engine) tensors itself unless the
+        # strategy says it does so per tensor; ours reads raw bytes into plain tensors, so it does not.
+        self.stream_ckpt_dequant = False
         self.verify_checksums = verify_checksums
         self.trust_objects = trust_objects
         self.read_threads = read_threads
