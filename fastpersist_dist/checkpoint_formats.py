@@ -90,6 +90,7 @@ FASTPERSIST = CheckpointFormat("fastpersist", BACKEND, BACKEND_VERSION, CONTAINE
 TORCH_DIST = CheckpointFormat("torch_dist", "torch_dist", 1, CONTAINER_TORCH_SAVE)
 FORMATS = {f.name: f for f in (FASTPERSIST, TORCH_DIST)}
 BY_CONTAINER = {f.container: f for f in FORMATS.values()}
+BACKENDS = sorted({(f.backend, f.version) for f in FORMATS.values()})  # what metadata.json may name for ours
 
 
 def checkpoint_format(name: str) -> CheckpointFormat:

@@ -26,8 +26,10 @@ def digest_bytes(data: Buffer) -> str:
 class BlockHasher:
     """Block checksums of a byte stream fed in pieces of any size (a record's framing, then its elements).
 
-    Equal to :func:`block_checksums` of the concatenation; whole blocks inside
-    one piece are hashed in one call, only blocks that span pieces incrementally.
+    The digests are those of consecutive ``block_bytes`` blocks of the
+    concatenation (the last may be short), what :func:`first_bad_block` checks;
+    whole blocks inside one piece are hashed in one call, only blocks that span
+    pieces incrementally.
     """
 
     def __init__(self, block_bytes: int):
@@ -61,12 +63,6 @@ class BlockHasher:
         self.digests.append(f"{self._partial.intdigest():016x}")
         self._partial.reset()
         self._filled = 0
-
-
-def block_checksums(data: np.ndarray, block_bytes: int) -> list[str]:
-    """Checksums of consecutive ``block_bytes`` blocks of a 1-D uint8 array (last may be short)."""
-    mv = memoryview(data)
-    return [digest_bytes(mv[i : i + block_bytes]) for i in range(0, len(mv), block_bytes)]
 
 
 def first_bad_block(data: np.ndarray, expected: tuple[str, ...], block_bytes: int) -> int:

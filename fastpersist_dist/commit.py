@@ -10,7 +10,8 @@
    save), so the status file is the hand-over.
 3. At finalize every rank sends its status to rank 0. Only if all succeeded does
    rank 0 commit, each file as temp file, fsync, rename, fsync of the directory:
-   first auxiliary files (megatron's ``common.pt`` on 0.17+), then the index,
+   first auxiliary files (``common.pt`` where megatron-core 0.19 leaves it to us),
+   then the index,
    then, for the ``torch_dist`` format, DCP's ``.metadata``: the format's marker
    comes last.
    The outcome is broadcast, so every rank raises the same error or none. A
@@ -168,8 +169,7 @@ def invalidate(checkpoint_dir: str) -> None:
         os.unlink(os.path.join(checkpoint_dir, marker))
     if removed:
         fsync_dir(checkpoint_dir)
-        logger.debug("fastpersist: overwriting the checkpoint in %s; its %s removed first",
-                       checkpoint_dir, " and ".join(removed) + (" were" if len(removed) > 1 else " was"))
+        logger.debug("fastpersist: overwriting the checkpoint in %s; removed %s first", checkpoint_dir, removed)
     for name in os.listdir(checkpoint_dir):
         if is_data_file(name) or STATUS_FILE_RE.match(name) or name.endswith(TMP_SUFFIX):
             os.unlink(os.path.join(checkpoint_dir, name))

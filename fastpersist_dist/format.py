@@ -12,7 +12,7 @@ range and XXH3 block checksums:
   checksums cover every byte torch's own reader parses. The index is a sidecar
   of DCP's ``.metadata`` and holds that file's XXH3.
 
-The index is plain JSON (docs/format.md): no pickle is needed to find, read or
+The index is plain JSON (README "On-disk formats"): no pickle is needed to find, read or
 verify a tensor. Everything here is pure: no I/O, no ``torch.distributed``.
 """
 
@@ -131,11 +131,6 @@ class ShardRecord:
         if self.flattened_range is not None:
             return self.flattened_range[1] - self.flattened_range[0]
         return math.prod(self.local_shape)
-
-    @property
-    def data_length(self) -> int:
-        """Bytes of the elements (tensor) or payload (object) inside the record."""
-        return self.numel * itemsize(self.dtype) if self.kind == KIND_TENSOR else self.length
 
     def describe(self) -> str:
         """Short human description used in error messages."""

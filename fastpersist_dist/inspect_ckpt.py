@@ -16,7 +16,7 @@ from megatron.core.dist_checkpointing.core import maybe_load_config
 
 from .commit import read_index
 from .errors import FastPersistError, IncompleteCheckpointError
-from .checkpoint_formats import BY_CONTAINER, DCP_METADATA_FILE, FORMATS
+from .checkpoint_formats import BACKENDS, BY_CONTAINER, DCP_METADATA_FILE
 from .format import (
     INDEX_FILE,
     STATUS_FILE_RE,
@@ -126,10 +126,9 @@ def metadata_backend(checkpoint_dir: str) -> tuple[Optional[str], Optional[int],
     if config is None:
         return None, None, [f"{path} is missing: dist_checkpointing.load will refuse this directory"]
     found = (config.sharded_backend, config.sharded_backend_version)
-    ours = sorted((f.backend, f.version) for f in FORMATS.values())
-    if found not in ours:
+    if found not in BACKENDS:
         return (*found, [f"{path} names backend {found[0]} version {found[1]}, "
-                         f"none of {ours}: this is not a FastPersist checkpoint"])
+                         f"none of {BACKENDS}: this is not a FastPersist checkpoint"])
     return (*found, [])
 
 

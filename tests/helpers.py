@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.package_info import __version__ as MCORE_VERSION
 
 from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, compat
 
@@ -20,9 +21,11 @@ Split = Union[None, int, str, tuple[int, ...]]
 NATIVE = "fastpersist"
 # megatron-core 0.17+ has no registry: load() would pick its torch_dist loader unless told.
 LOAD_KW: dict = {} if compat.REGISTRY else {"sharded_strategy": FastPersistLoadStrategy()}
-# ... its save() adds the common state as one more ShardedObject ...
-ADDED_OBJECTS: set[str] = set() if compat.REGISTRY else {"common_state"}
-# ... and its async save defaults to the "nvrx" queue, which needs nvidia-resiliency-ext.
+# megatron-core 0.19's save() passes the common state as one more ShardedObject; earlier ones
+# (0.16-0.18) write common.pt themselves before the strategy runs.
+COMMON_STATE_OBJECT = tuple(int(p) for p in MCORE_VERSION.split(".")[:2]) >= (0, 19)
+ADDED_OBJECTS: set[str] = {"common_state"} if COMMON_STATE_OBJECT else set()
+# megatron-core 0.17+'s async save defaults to the "nvrx" queue, which needs nvidia-resiliency-ext.
 ASYNC_KW: dict = compat.ASYNC_SAVE_KWARGS
 
 

@@ -39,7 +39,6 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from fastpersist_dist import (
     AsyncSaveQueue,
-    compat,
     FastPersistError,
     FastPersistLoadStrategy,
     IncompleteCheckpointError,
@@ -58,8 +57,8 @@ from fastpersist_dist.storage.writer import WriteItem, confirm_on_disk, write_ra
 from fastpersist_dist.verify import verify_checkpoint
 
 from .helpers import (
-    ADDED_OBJECTS,
     ASYNC_KW,
+    COMMON_STATE_OBJECT,
     assert_same,
     global_tensor,
     load,
@@ -552,7 +551,7 @@ def test_disk_full_at_commit_commits_nothing(small_fs):
     for o in outcomes.values():
         assert o.kind == "ok", o.value
         e = o.value
-        first = "common.pt" if ADDED_OBJECTS else INDEX_FILE  # 0.17+: our commit writes megatron's common.pt first
+        first = "common.pt" if COMMON_STATE_OBJECT else INDEX_FILE  # 0.19: our commit writes common.pt first
         assert e.kind == "SaveFailedError" and f"rank 0: committing {first} failed" in e.message, e
         assert "No space left on device" in e.message, e
     assert _files(f"{small_fs}/new") == [], "no index, no temp file, no data files"
@@ -626,11 +625,11 @@ def test_megatron_save_into_unusable_directory_fails_on_rank_0_and_unblocks_the_
     outcomes = run_faulty(2, _megatron_save_into, path)
     e = outcomes[0].value
     # megatron lists the directory (missing: FileNotFoundError naming it) on rank 0 before any
-    # strategy runs; 0.16 also writes common.pt there (read-only: torch.save's RuntimeError, which
-    # names no file), 0.17+ leaves it to us: our directory check fails on every rank, naming it.
+    # strategy runs; up to 0.18 it also writes common.pt there (read-only: torch.save's RuntimeError,
+    # which names no file), 0.19 leaves it to us: our directory check fails on every rank, naming it.
     if case == "missing":
         assert e.kind == "FileNotFoundError" and path in e.message, e
-    elif compat.REGISTRY:
+    elif not COMMON_STATE_OBJECT:
         assert "Read-only file system" in e.message and "save_common" in e.trace, e
     else:
         assert e.kind == "SaveFailedError" and "is not writable: Read-only file system" in e.message, e

@@ -17,7 +17,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
 from fastpersist_dist import FastPersistLoadStrategy
-from fastpersist_dist.checksum import block_checksums
+from fastpersist_dist.checksum import BlockHasher
 from fastpersist_dist.format import BACKEND, BACKEND_VERSION, INDEX_FILE, CheckpointIndex, ShardRecord, data_file_name
 
 from .helpers import assert_same, global_tensor
@@ -32,6 +32,12 @@ PIECES = [  # (shard row offset, shard rows, flat start, flat stop, file rank)
 BLOCK = 16  # tiny checksum blocks, so partial reads verify several blocks
 
 
+def _checksums(data: bytes) -> list[str]:
+    hasher = BlockHasher(BLOCK)
+    hasher.update(data)
+    return hasher.finish()
+
+
 def write_flat_checkpoint(path: str) -> torch.Tensor:
     full = global_tensor("flat", SHAPE, torch.float32)
     os.makedirs(path, exist_ok=True)
@@ -44,7 +50,7 @@ def write_flat_checkpoint(path: str) -> torch.Tensor:
             key="flat", kind="tensor", dtype="float32", local_shape=(rows, SHAPE[1]), global_shape=SHAPE,
             global_offset=(row, 0), axis_fragmentations=None, prepend_axis_num=0, flattened_range=(start, stop),
             replica_id=0, file=data_file_name(rank), offset=len(blob), length=len(data),
-            checksums=tuple(block_checksums(torch.frombuffer(bytearray(data), dtype=torch.uint8).numpy(), BLOCK)),
+            checksums=tuple(_checksums(data)),
         ))
         blob.extend(data)
     for rank, blob in blobs.items():

@@ -26,7 +26,7 @@ from fastpersist_dist.errors import CorruptCheckpointError, FastPersistError, In
 from fastpersist_dist.format import INDEX_FILE
 from fastpersist_dist.verify import verify_checkpoint
 
-from .helpers import assert_same, empty_like_request, global_tensor, make_dir, save, sharded
+from .helpers import COMMON_STATE_OBJECT, assert_same, empty_like_request, global_tensor, make_dir, save, sharded
 from .multiproc import run_ranks
 from .test_faults import KILL_AT, _die_at_file_size, _save_error, run_faulty
 
@@ -104,7 +104,7 @@ def saved(tmp_path_factory) -> str:
 
 def test_files_are_torch_dcp_with_our_sidecar(saved):
     names = sorted(os.listdir(saved))
-    common = ["common.pt"] if compat.REGISTRY else []  # megatron-core 0.16's save() writes it; 0.17+ keeps it in DCP
+    common = [] if COMMON_STATE_OBJECT else ["common.pt"]  # megatron <= 0.18's save() writes it; 0.19 keeps it in DCP
     assert names == sorted([DCP_METADATA_FILE, "__0_0.distcp", "__1_0.distcp", INDEX_FILE, "metadata.json", *common])
     with open(os.path.join(saved, "metadata.json")) as f:
         doc = json.load(f)

@@ -24,7 +24,7 @@ if _HAS_REGISTRY:
 else:
     from . import mcore_017 as _adapter  # type: ignore[no-redef]
 
-REGISTRY = _adapter.REGISTRY
+REGISTRY = _HAS_REGISTRY  # save() and load() look strategies up by (backend, version)
 DEFAULT_FORMAT = _adapter.DEFAULT_FORMAT
 ASYNC_SAVE_KWARGS = _adapter.ASYNC_SAVE_KWARGS
 SaveStrategyBase = _adapter.SaveStrategyBase

@@ -19,7 +19,6 @@ from megatron.core.dist_checkpointing.strategies.base import (
 )
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-REGISTRY = True  # save() and load() look strategies up by (backend, version)
 DEFAULT_FORMAT = "fastpersist"
 # Keyword arguments of megatron's save() for an AsyncRequest that megatron's or our queue runs.
 ASYNC_SAVE_KWARGS: dict = {}

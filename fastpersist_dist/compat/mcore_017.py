@@ -29,7 +29,6 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 
 from ..errors import FastPersistError
 
-REGISTRY = False
 DEFAULT_FORMAT = "torch_dist"
 # Keyword arguments of megatron's save() for an AsyncRequest that megatron's or our queue runs
 # (its default, "nvrx", needs nvidia-resiliency-ext).

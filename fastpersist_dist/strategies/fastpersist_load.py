@@ -19,7 +19,7 @@ from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 from .. import compat
-from ..checkpoint_formats import DCP_METADATA_FILE, FORMATS
+from ..checkpoint_formats import BACKENDS, DCP_METADATA_FILE
 from ..commit import read_index
 from ..errors import FastPersistError
 from ..format import INDEX_FILE, CheckpointIndex
@@ -27,7 +27,6 @@ from ..load_engine import Loader, sharded_metadata, tensors_metadata
 from ..storage.reader import ShardReader
 
 logger = logging.getLogger(__name__)
-_BACKENDS = {(f.backend, f.version) for f in FORMATS.values()}
 
 
 def _rank() -> int:
@@ -69,15 +68,15 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         """Our two formats' backends can be read."""
-        if loaded_backend not in {b for b, _ in _BACKENDS}:
+        if loaded_backend not in {b for b, _ in BACKENDS}:
             raise FastPersistError(
                 f"checkpoint backend is {loaded_backend!r}; FastPersistLoadStrategy reads "
-                f"{sorted({b for b, _ in _BACKENDS})}"
+                f"{sorted({b for b, _ in BACKENDS})}"
             )
 
     def check_version_compatibility(self, loaded_version: int) -> None:
         """Only versions this code knows can be read."""
-        if loaded_version not in {v for _, v in _BACKENDS}:
+        if loaded_version not in {v for _, v in BACKENDS}:
             raise FastPersistError(f"checkpoint backend version {loaded_version!r} is not supported")
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path], async_strategy: Optional[str] = None) -> Any:
