@@ -50,12 +50,13 @@ def _piece_errors(key: str, pieces: list[ShardRecord]) -> list[str]:
     return []
 
 
-def coverage_errors(records: list[ShardRecord]) -> list[str]:
+def coverage_errors(records: list[ShardRecord], complete: bool = True) -> list[str]:
     """Problems with how ``records`` cover each global tensor; empty when every element is stored once.
 
     Megatron checks regular grids itself but defers uneven shardings to the
     backend: here every tensor must be covered exactly once (volumes add up and
-    no two shards overlap) and every object shard must be unique.
+    no two shards overlap) and every object shard must be unique. Without
+    ``complete`` (one group's part of a plan) only overlaps and gaps between pieces count.
     """
     errors: list[str] = []
     shards: dict[str, dict[tuple, list[ShardRecord]]] = {}
@@ -74,11 +75,11 @@ def coverage_errors(records: list[ShardRecord]) -> list[str]:
             if len(pieces) > 1 or pieces[0].flattened_range is not None:
                 errors.extend(_piece_errors(key, pieces))
             group.append(pieces[0])
-        errors.extend(_box_errors(key, group))
+        errors.extend(_box_errors(key, group, complete))
     return errors
 
 
-def _box_errors(key: str, group: list[ShardRecord]) -> list[str]:
+def _box_errors(key: str, group: list[ShardRecord], complete: bool) -> list[str]:
     shapes = {r.global_shape for r in group}
     if len(shapes) > 1:
         return [f"tensor '{key}': ranks disagree on the global shape: {sorted(shapes)}"]
@@ -93,7 +94,7 @@ def _box_errors(key: str, group: list[ShardRecord]) -> list[str]:
             f"tensor '{key}': shards at {group[i].global_offset} and {group[j].global_offset} overlap "
             "(each element must have exactly one main replica)"
         ]
-    if have != total:
+    if complete and have != total:
         return [f"tensor '{key}': main replicas cover {have} of {total} elements (shards missing)"]
     return []
 
