@@ -100,13 +100,29 @@ def _box_errors(key: str, group: list[ShardRecord], complete: bool) -> list[str]
 
 
 def _first_overlap(lo: np.ndarray, hi: np.ndarray, rows: int = 256) -> Optional[tuple[int, int]]:
-    """First pair (i, j), i != j, of boxes [lo, hi) that share an element; rows chunked to bound memory."""
-    for start in range(0, len(lo), rows):
-        a_lo, a_hi = lo[start : start + rows, None], hi[start : start + rows, None]
-        hit = np.all(np.minimum(a_hi, hi[None]) > np.maximum(a_lo, lo[None]), axis=-1)
-        idx = np.arange(len(hit))
-        hit[idx, idx + start] = False
+    """First pair (i, j), i != j, of boxes [lo, hi) that share an element.
+
+    A sweep along the axis where the most boxes fit side by side (their spread
+    over their mean extent): after sorting by their start there, a box can only
+    meet those that start before it ends, so only those pairs are compared
+    (rows boxes at a time, to bound memory).
+    """
+    n = len(lo)
+    if n < 2:
+        return None
+    axis = int(np.argmax((hi.max(axis=0) - lo.min(axis=0)) / np.maximum((hi - lo).mean(axis=0), 1)))
+    order = np.argsort(lo[:, axis], kind="stable")
+    lo, hi = lo[order], hi[order]
+    ends = np.searchsorted(lo[:, axis], hi[:, axis], side="left")  # boxes after i start before i ends
+    counts = np.maximum(ends - np.arange(n) - 1, 0)
+    for start in range(0, n, rows):
+        c = counts[start : start + rows]
+        if not c.any():
+            continue
+        first = np.repeat(np.arange(start, start + len(c)), c)
+        second = first + 1 + np.arange(len(first)) - np.repeat(np.cumsum(c) - c, c)
+        hit = np.all(np.minimum(hi[first], hi[second]) > np.maximum(lo[first], lo[second]), axis=-1)
         if hit.any():
-            i, j = np.argwhere(hit)[0]
-            return int(i) + start, int(j)
+            k = int(np.argmax(hit))
+            return int(order[first[k]]), int(order[second[k]])
     return None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Optional, Sequence
 
 from megatron.core.dist_checkpointing.mapping import is_main_replica
@@ -49,16 +50,18 @@ class _Shard:
     """One stored unit (a tensor shard or an object) and the ranks holding a copy."""
 
     main_rank: Optional[int]
-    holders: dict[int, ShardRecord]  # rank -> that rank's record of the shard
-
-    @property
-    def length(self) -> int:
-        return next(iter(self.holders.values())).length
+    holders: dict[int, ShardRecord]  # rank -> that rank's record of the shard, ranks ascending
+    length: int
+    shape: tuple  # what every replica must agree on, see _shape
 
 
-def _same_shard(a: ShardRecord, b: ShardRecord) -> bool:
-    fields = ("dtype", "local_shape", "global_shape", "prepend_axis_num", "length")
-    return all(getattr(a, f) == getattr(b, f) for f in fields)
+def _shape(r: ShardRecord) -> tuple:
+    """What replicas of one shard must agree on."""
+    return r.dtype, r.local_shape, r.global_shape, r.prepend_axis_num, r.length
+
+
+# replica ids repeat over a rank's shards: megatron's check, memoized (group planning at 16k ranks)
+_is_main = lru_cache(maxsize=4096)(is_main_replica)
 
 
 def _group(held: Sequence[Sequence[ShardRecord]], ranks: Sequence[int], adopt_empty: bool) -> list[_Shard]:
@@ -75,17 +78,19 @@ def _group(held: Sequence[Sequence[ShardRecord]], ranks: Sequence[int], adopt_em
         rank = ranks[i]
         for r in records:
             where = (r.kind, r.key, r.global_offset)
-            s = shards.setdefault(where, _Shard(None, {}))
-            first = next(iter(s.holders.items()), None)
-            if first is not None and not _same_shard(first[1], r):
+            s = shards.get(where)
+            if s is None:
+                s = shards[where] = _Shard(None, {}, r.length, _shape(r))
+            elif _shape(r) != s.shape:
+                first = next(iter(s.holders.items()))
                 raise PlanError(
                     f"{r.kind} '{r.key}' at global offset {r.global_offset}: rank {ranks[first[0]]} and rank {rank} hold "
                     f"replicas that disagree (dtype/shape/bytes: {first[1].dtype} {first[1].local_shape} "
                     f"{first[1].length} vs {r.dtype} {r.local_shape} {r.length})"
                 )
-            if is_main_replica(r.replica_id) and r.kind == KIND_TENSOR and r.length == 0:
+            if _is_main(r.replica_id) and r.kind == KIND_TENSOR and r.length == 0:
                 empty_main.add(where)
-            elif is_main_replica(r.replica_id):
+            elif _is_main(r.replica_id):
                 if s.main_rank is not None:
                     raise PlanError(
                         f"{r.kind} '{r.key}' at global offset {r.global_offset} is a main replica (replica_id 0) on "
@@ -175,7 +180,7 @@ def _assign(
     out: list[list[ShardRecord]] = [[] for _ in range(world)]
     for s in planned:
         main_record = s.holders[s.main_rank]
-        holders = sorted(s.holders) if balance and main_record.kind == KIND_TENSOR else [s.main_rank]
+        holders = list(s.holders) if balance and main_record.kind == KIND_TENSOR else [s.main_rank]
         if len(holders) == 1 or split_above is None or s.length <= split_above:
             rank = min(holders, key=lambda c: (load[c], c))
             out[rank].append(s.holders[rank])
