@@ -84,9 +84,9 @@ def _group(held: Sequence[Sequence[ShardRecord]], ranks: Sequence[int], adopt_em
             elif _shape(r) != s.shape:
                 first = next(iter(s.holders.items()))
                 raise PlanError(
-                    f"{r.kind} '{r.key}' at global offset {r.global_offset}: rank {ranks[first[0]]} and rank {rank} hold "
-                    f"replicas that disagree (dtype/shape/bytes: {first[1].dtype} {first[1].local_shape} "
-                    f"{first[1].length} vs {r.dtype} {r.local_shape} {r.length})"
+                    f"{r.kind} '{r.key}' at global offset {r.global_offset}: rank {ranks[first[0]]} and "
+                    f"rank {rank} hold replicas that disagree (dtype/shape/bytes: {first[1].dtype} "
+                    f"{first[1].local_shape} {first[1].length} vs {r.dtype} {r.local_shape} {r.length})"
                 )
             if _is_main(r.replica_id) and r.kind == KIND_TENSOR and r.length == 0:
                 empty_main.add(where)
@@ -160,7 +160,8 @@ def plan_writes(
     """
     world = len(held)
     whole_world = ranks is None
-    planned = [s for s in _group(held, range(world) if whole_world else ranks, whole_world) if s.main_rank is not None]  # shards without one: reported by coverage
+    shards = _group(held, range(world) if whole_world else ranks, whole_world)
+    planned = [s for s in shards if s.main_rank is not None]  # shards without one: reported by coverage
     if not balance:
         return _assign(planned, world, False, None, unit)
     planned.sort(key=lambda s: (len(s.holders), -s.length))  # stable: ties keep key order

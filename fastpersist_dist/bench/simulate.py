@@ -143,7 +143,7 @@ def _object(key: str, shape: tuple[int, ...], offset: tuple[int, ...], nbytes: i
 
 
 def _gathered_bytes(payload_sizes: list[int], members: int) -> int:
-    """Bytes one rank receives from ``all_gather_object``: sizes (int64 each), then every payload padded to the largest."""
+    """Bytes one rank receives from ``all_gather_object``: sizes (int64 each), then each payload padded to the largest."""
     return members * (8 + max(payload_sizes))
 
 
