@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from ..checksum import DEFAULT_BLOCK_BYTES
-from ..format import KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, data_file_name, itemsize
+from ..format import KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, data_file_name
 from ..plan import PlanCache, place_in_rank_file, plan_writes
 
 MiB = 1 << 20
