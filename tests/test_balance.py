@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from fastpersist_dist import FastPersistSaveStrategy
 from fastpersist_dist.async_queue import AsyncSaveQueue
@@ -192,3 +193,28 @@ def test_dp_groups_are_planned_apart(tmp_path, checkpoint_format):
     report = verify_checkpoint(path)
     assert report.ok, report.problems
     run_ranks(2, _load_other_sharding, root)
+
+
+def _group_failure(rank: int, world: int, path: str, kind: str) -> str:
+    sd = tp_dp_state(rank)
+    if kind == "stage" and rank == 3:
+        sd["bad"] = ShardedTensor.from_rank_offsets("bad", torch.zeros(2), replica_id=(0, 1))
+        sd["bad"].data = [1.0, 2.0]
+    elif kind == "plan" and rank % TP == 1:  # both DP ranks of group {1, 3} claim the main replica
+        sd["bad"] = ShardedTensor.from_rank_offsets("twice", torch.zeros(2), replica_id=0)
+    strategy = FastPersistSaveStrategy("fastpersist", parallel_group=_dp_group(rank))
+    with pytest.raises(CheckpointingException) as info:
+        save(sd, path, strategy, validate=False)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("stage", "rank 3: ShardedTensor 'bad' holds list"),
+    ("plan", "'twice' at global offset (0,) is a main replica (replica_id 0) on rank 1 and on rank 3"),
+])
+def test_a_groups_failure_fails_every_group(tmp_path, kind, needle):
+    """Group {0, 2} has nothing wrong, yet raises the error of group {1, 3} before anything is written."""
+    path = str(tmp_path / "ckpt")
+    for message in run_ranks(TP * DP, _group_failure, path, kind):
+        assert needle in message and "nothing was written" in message, message
+    assert not any(n.startswith(("fastpersist", ".fastpersist")) for n in os.listdir(path))
