@@ -20,8 +20,8 @@ The index of the resulting checkpoint is built from the groups' plans (one
 group per distinct pipeline stage, for tensor rank 0 and one other: tensor
 ranks 1.. are alike) and
 parsed as a loading rank would. Alongside, the parts design of docs/scale.md:
-what a loading rank would read with a small top-level index and one part per
-(planning group, key).
+what a loading rank would read with a small top-level index and parts per
+(planning group, key), each cut into a few pages.
 """
 
 from __future__ import annotations
@@ -293,11 +293,28 @@ def _stages(layout: Layout) -> list[tuple[int, int]]:
     return [(0, 1), (1, layout.pp - 2), (layout.pp - 1, 1)] if layout.pp > 2 else [(0, 1), (1, 1)]
 
 
+PAGES = 8  # a part is cut into at most this many pages, each listed in the top level
+
+
 def _parts(records: list[ShardRecord], group: tuple[int, int]) -> dict[tuple, list[ShardRecord]]:
-    """The design's parts: one per (planning group, key)."""
-    parts: dict[tuple, list[ShardRecord]] = {}
+    """The design's parts: per (planning group, key), pages of records that lie side by side.
+
+    Records are ordered along the axis where most of them fit side by side
+    (e.g. the DP slices of a distributed optimizer's state), so a page is a
+    contiguous region that a loading rank reads only if it needs it.
+    """
+    by_key: dict[str, list[ShardRecord]] = {}
     for r in records:
-        parts.setdefault((group, r.key), []).append(r)
+        by_key.setdefault(r.key, []).append(r)
+    parts: dict[tuple, list[ShardRecord]] = {}
+    for key, recs in by_key.items():
+        lo, hi = _bbox(recs)
+        extents = [sum(b[a] for b in map(_box, recs)) / len(recs) for a in range(len(lo))]
+        axis = max(range(len(lo)), key=lambda a: (hi[a] - lo[a]) / max(extents[a], 1))
+        recs.sort(key=lambda r: r.global_offset[axis])
+        size = -(-len(recs) // PAGES)
+        for page, start in enumerate(range(0, len(recs), size)):
+            parts[(group, key, page)] = recs[start : start + size]
     return parts
 
 
@@ -364,14 +381,14 @@ def _index_columns(layout: Layout, groups: dict[tuple[int, int], tuple[int, Grou
     middle = (0, 1 % layout.pp)
     data = index_bytes(placed[middle], layout.world)
     _, parse_s = _timed(lambda: CheckpointIndex.from_json_bytes(data, "simulated index"))
-    # parts: one per (group, key); the top level names each key once and lists its parts:
-    # [group, bounding box low, high, bytes, XXH3 of the part]
+    # parts: pages per (group, key); the top level names each key once and lists its pages:
+    # [group, bounding box low, high, bytes, XXH3 of the page]
     parts: dict[tuple, list[ShardRecord]] = {}
     for g, recs in placed.items():
         parts.update(_parts(recs, g))
     group_number = layout.tp * layout.pp - 1
-    top = sum(len(json.dumps(k)) + 4 for k in {k for _, k in parts})
-    for (g, _), recs in parts.items():
+    top = sum(len(json.dumps(k)) + 4 for k in {k for _, k, _ in parts})
+    for (g, _, _), recs in parts.items():
         entry = [group_number, *_bbox(recs), 1 << 30, "0" * 16]
         top += groups[g][0] * (len(json.dumps(entry)) + 2)
     loader = (1 % layout.tp, 0, 1 % layout.pp)
@@ -380,7 +397,7 @@ def _index_columns(layout: Layout, groups: dict[tuple[int, int], tuple[int, Grou
     by_key: dict[str, list] = {}
     for key, box in wants:
         by_key.setdefault(key, []).append(box)
-    needed = [recs for (g, key), recs in parts.items()
+    needed = [recs for (_, key, _), recs in parts.items()
               if any(_intersects(_bbox(recs), box) for box in by_key.get(key, ()))]
     read = [r for recs in needed for r in recs]
     part_data = index_bytes(read, layout.world)
