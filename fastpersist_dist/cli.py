@@ -1,4 +1,4 @@
-"""The ``fastpersist-dist`` command: ``bench``, ``sweep``, ``verify``, ``inspect`` and ``build-ops``.
+"""The ``fastpersist-dist`` command: ``bench``, ``sweep``, ``simulate``, ``verify``, ``inspect`` and ``build-ops``.
 
 Exit codes: 0 success, 1 the checkpoint has problems, 2 bad arguments or an
 unusable directory.
@@ -159,6 +159,26 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from .bench import simulate
+
+    if args.json and _output_path_problem(args.json):
+        print(f"simulate: {_output_path_problem(args.json)}", file=sys.stderr)
+        return 2
+    dist_opts = {"on": [True], "off": [False], "both": [True, False]}[args.dist_opt]
+    shape = {"tp": args.tp, "pp": args.pp, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab}
+    try:
+        rows = simulate.run(args.dp, dist_opts, args.world_plan_max, args.central_max, **shape)
+    except ValueError as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    print(simulate.format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -217,6 +237,20 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("directory", help="checkpoint directory")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=_inspect)
+    m = sub.add_parser("simulate", help="checkpoint metadata at 1k-16k ranks: exchange, planning, index (no I/O)")
+    m.add_argument("--dp", type=_positive_int, nargs="+", default=[8, 32, 128], help="DP sizes (default 8 32 128)")
+    m.add_argument("--dist-opt", choices=("on", "off", "both"), default="both", help="distributed optimizer")
+    m.add_argument("--tp", type=_positive_int, default=8, help="tensor parallel (default 8)")
+    m.add_argument("--pp", type=_positive_int, default=16, help="pipeline parallel (default 16)")
+    m.add_argument("--layers", type=_positive_int, default=96, help="transformer layers (default 96)")
+    m.add_argument("--hidden", type=_positive_int, default=12288, help="hidden size (default 12288)")
+    m.add_argument("--vocab", type=_positive_int, default=51200, help="padded vocabulary (default 51200)")
+    m.add_argument("--world-plan-max", type=_positive_int, default=1024,
+                   help="plan the whole world at once up to this many ranks, extrapolate beyond (default 1024)")
+    m.add_argument("--central-max", type=_positive_int, default=1024,
+                   help="run DCP's central planning up to this many ranks, extrapolate beyond (default 1024)")
+    m.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    m.set_defaults(func=_simulate)
     o = sub.add_parser("build-ops", help="build (or check) the DeepSpeed ops FastPersist uses")
     o.set_defaults(func=_build_ops)
     return p
