@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 TRAINING_MODULE = "megatron.training.checkpointing"
 USAGE = "usage: python -m fastpersist_dist.megatron_lm SCRIPT [ARGS...]  (e.g. pretrain_gpt.py and its arguments)"
 
-_originals: dict[str, Any] = {}  # name in TRAINING_MODULE -> what Megatron-LM had there
+_originals: dict[tuple[ModuleType, str], Any] = {}  # (module, name) -> what Megatron-LM had there
 
 
 class StrategyFactory:
@@ -74,7 +74,8 @@ def _training_module() -> ModuleType:
         ) from e
 
 
-def enable(checkpoint_format: str = "torch_dist", **knobs: Any) -> FastPersistSaveStrategy:
+def enable(checkpoint_format: str = "torch_dist", *, target: Optional[ModuleType] = None,
+           **knobs: Any) -> FastPersistSaveStrategy:
     """Make Megatron-LM's save and load path use FastPersist in this process; returns the save strategy.
 
     Call once per process before ``pretrain()`` (again to change settings).
@@ -84,46 +85,38 @@ def enable(checkpoint_format: str = "torch_dist", **knobs: Any) -> FastPersistSa
         checkpoint_format: ``"torch_dist"`` (default: torch DCP files any
             Megatron-LM loads, plus our checksum sidecar) or ``"fastpersist"``
             (native; faster loads, read only through FastPersist).
+        target: the module whose strategy names to replace; default Megatron-LM's
+            ``megatron.training.checkpointing``.
         knobs: :class:`FastPersistSaveStrategy` knobs (``io_buffer_mb`` ...).
     """
-    module = _training_module()
+    module = target if target is not None else _training_module()
     save_name, load_name = compat.TRAINING_STRATEGY_SEAMS
     for name in (save_name, load_name):
-        if name not in _originals and not hasattr(module, name):
+        if (module, name) not in _originals and not hasattr(module, name):
             raise FastPersistError(
-                f"{module.__file__} has no {name}: this Megatron-LM does not build its checkpoint strategies "
-                "the way the one released with the installed megatron-core does; use matching versions"
+                f"{getattr(module, '__file__', module.__name__)} has no {name}: this Megatron-LM does not build its "
+                "checkpoint strategies the way the one released with the installed megatron-core does; use matching "
+                "versions"
             )
     save_strategy = FastPersistSaveStrategy(checkpoint_format, **knobs)
-    load_strategy = FastPersistLoadStrategy()
-    for name, strategy in ((save_name, save_strategy), (load_name, load_strategy)):
-        _originals.setdefault(name, getattr(module, name))
+    for name, strategy in ((save_name, save_strategy), (load_name, FastPersistLoadStrategy())):
+        _originals.setdefault((module, name), getattr(module, name))
         setattr(module, name, StrategyFactory(name, strategy))
     (logger.info if os.environ.get("RANK", "0") == "0" else logger.debug)(
         "fastpersist: Megatron-LM checkpoints (%s) now save with FastPersistSaveStrategy(%r) in place of %s "
         "and load with FastPersistLoadStrategy (checksums verified) in place of %s",
-        TRAINING_MODULE, checkpoint_format, save_name, load_name,
+        module.__name__, checkpoint_format, save_name, load_name,
     )
     return save_strategy
 
 
 def disable() -> None:
     """Give Megatron-LM its own strategies back (no-op when not enabled)."""
-    if not _originals:
-        return
-    module = _training_module()
-    for name, original in _originals.items():
+    for (module, name), original in _originals.items():
         setattr(module, name, original)
+    if _originals:
+        logger.debug("fastpersist: Megatron-LM checkpointing restored to its own strategies")
     _originals.clear()
-    logger.debug("fastpersist: Megatron-LM checkpointing restored to its own strategies")
-
-
-def enabled() -> Optional[FastPersistSaveStrategy]:
-    """The save strategy Megatron-LM gets now, or None when :func:`enable` is not in effect."""
-    if not _originals:
-        return None
-    factory = getattr(_training_module(), compat.TRAINING_STRATEGY_SEAMS[0])
-    return factory.strategy if isinstance(factory, StrategyFactory) else None
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -135,9 +128,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     script = argv[0]
     if not os.path.isfile(script):
         raise SystemExit(f"fastpersist_dist.megatron_lm: no such script: {script}\n{USAGE}")
-    enable()
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as for `python SCRIPT`: its own modules import
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as for `python SCRIPT` (a Megatron-LM checkout's
+    enable()                                                  # pretrain_gpt.py: its megatron.training imports)
     runpy.run_path(script, run_name="__main__")
 
 

@@ -1,9 +1,9 @@
 """One rank of a tiny Megatron-LM training run that checkpoints through Megatron-LM's own code.
 
 Run as ``python tests/megatron_lm_driver.py PHASE CKPT_DIR [MEGATRON-LM ARGS...]`` with
-RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, and FASTPERSIST_MEGATRON_LM naming a Megatron-LM
-checkout whose megatron-core matches the installed one (appended to sys.path, so megatron.core
-stays the installed package and only megatron.training & co. come from the checkout).
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set and tests/megatron_lm_site on PYTHONPATH (it puts
+the Megatron-LM checkout named by FASTPERSIST_MEGATRON_LM after site-packages; megatron-core
+0.19.2's wheel ships megatron.training itself).
 
 Megatron-LM's ``pretrain()`` needs CUDA (it moves the model with ``.cuda()``), so this does what
 its training loop does around checkpoints, with Megatron-LM's own pieces: its argument parser
@@ -25,9 +25,6 @@ import os
 import sys
 
 import torch
-
-TREE = os.environ["FASTPERSIST_MEGATRON_LM"]
-sys.path.append(TREE)  # after site-packages: megatron.core is the installed one
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -103,6 +100,10 @@ def main() -> None:
         saved = []
         for iteration in range(1, args.train_iters + 1):
             _step(model, optimizer, scheduler, args, iteration)
+            if args.async_save:  # as Megatron-LM's train() does after every step: commit finished saves
+                from megatron.training.async_utils import maybe_finalize_async_save
+
+                maybe_finalize_async_save(blocking=False)
             if iteration % args.save_interval == 0:
                 checkpointing.save_checkpoint(iteration, models, optimizer, scheduler, 0,
                                               checkpointing_context=context)
