@@ -14,7 +14,8 @@ from ``megatron.training.checkpointing`` with a ``checkpointing_context`` as ``p
 ``PHASE`` is ``train`` (steps 1..N, a checkpoint every ``--save-interval``) or ``resume``
 (a fresh model, ``load_checkpoint`` from ``--load``, compared with what ``train`` left in
 ``CKPT_DIR/expected_rank<r>.pt``, then one more step and a save). With ``FASTPERSIST_ENABLE=1``
-the run calls ``fastpersist_dist.megatron_lm.enable()`` first, as a user's launcher would.
+the run calls ``fastpersist_dist.megatron_lm.enable()`` first, as a user's launcher would (with
+``FASTPERSIST_FORMAT`` as its checkpoint format, default torch_dist).
 Prints one JSON line (``RESULT {...}``) for the test.
 """
 
@@ -58,7 +59,7 @@ def main() -> None:
     if os.environ.get("FASTPERSIST_ENABLE") == "1":
         import fastpersist_dist.megatron_lm
 
-        fastpersist_dist.megatron_lm.enable()
+        fastpersist_dist.megatron_lm.enable(os.environ.get("FASTPERSIST_FORMAT", "torch_dist"))
 
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
