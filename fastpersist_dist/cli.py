@@ -93,7 +93,8 @@ def _examine(command: str, examine: Callable[[str], Any], directory: str) -> Any
     try:
         return examine(directory)
     except FastPersistError as e:
-        print(f"{command}: {e}", file=sys.stderr)
+        message = str(e)  # the engine's messages may already start with the command's name
+        print(message if message.startswith(f"{command}: ") else f"{command}: {message}", file=sys.stderr)
         return None
 
 

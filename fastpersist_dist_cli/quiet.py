@@ -16,6 +16,8 @@ import warnings
 WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     # megatron-core's import on hosts without them: four per process, its fallbacks are used
     (UserWarning, "Transformer Engine and Apex are not installed"),
+    # megatron-core 0.19's import without absl-py: it logs through `logging` instead
+    (UserWarning, "absl.logging is not installed"),
     # torch.distributed.checkpoint's old name, called by megatron's torch_dist loader
     (FutureWarning, "`load_state_dict` is deprecated"),
 )
