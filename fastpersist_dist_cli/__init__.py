@@ -117,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     b.add_argument("--keep", action="store_true", help="keep the last checkpoint of each contender")
     b.add_argument("--plot", metavar="PATH.png", help="also draw the report as a GiB/s bar chart")
-    k = b.add_argument_group("FastPersist knobs (defaults: fastpersist_dist.config.WriteConfig, see README)")
+    k = b.add_argument_group("FastPersist knobs (defaults: fastpersist_dist.config.WriteConfig, see docs/knobs.md)")
     k.add_argument("--io-buffer-mb", type=_positive_int, help="page-locked bounce buffer per writer, MiB")
     k.add_argument("--single-buffer", action="store_true", help="one bounce buffer instead of two halves")
     k.add_argument("--aio-block-mb", type=_positive_int, help="aio request size, MiB")
