@@ -1,13 +1,10 @@
-"""The ``fastpersist-dist`` command: ``bench``, ``sweep``, ``verify``, ``inspect`` and ``build-ops``.
+"""The ``fastpersist-dist`` command line: arguments parsed and checked, then the command run.
 
-Exit codes: 0 success, 1 the checkpoint has problems, 2 bad arguments or an
-unusable directory.
-
-This package parses and checks the arguments; the commands themselves are in
-``fastpersist_dist.cli``. It lives outside ``fastpersist_dist`` because
-importing that package registers its strategies with megatron-core, which
-imports torch, megatron-core and DeepSpeed (seconds): ``--help`` and argument
-errors answer before any of them is imported.
+The commands themselves are in ``fastpersist_dist.cli`` (see docs/cli.md). This
+package lives outside ``fastpersist_dist`` because importing that package
+registers its strategies with megatron-core, which imports torch, megatron-core
+and DeepSpeed (seconds): ``--help`` and argument errors answer before any of
+them is imported.
 """
 
 from __future__ import annotations
