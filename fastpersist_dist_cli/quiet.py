@@ -21,18 +21,26 @@ WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     # torch.distributed.checkpoint's old name, called by megatron's torch_dist loader
     (FutureWarning, "`load_state_dict` is deprecated"),
 )
-# Start of messages of DeepSpeed's logger
-DEEPSPEED_MESSAGES: tuple[str, ...] = (
-    "Setting accelerator to CPU",  # every process on a host without a GPU
-    "Offloading to NVMe can generate heavy write traffic",  # advice about ZeRO offload, once per writer
-)
+# logger -> start of its messages
+LOGGED: dict[str, tuple[str, ...]] = {
+    "DeepSpeed": (
+        "Setting accelerator to CPU",  # every process on a host without a GPU
+        "Offloading to NVMe can generate heavy write traffic",  # advice about ZeRO offload, once per writer
+    ),
+    # a CPU-only torch on a host with a CUDA toolkit, when DeepSpeed's op builder imports it: our ops are CPU ops
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+}
 
 
 class _DropKnown(logging.Filter):
-    """Drops DeepSpeed's records that start with one of ``DEEPSPEED_MESSAGES``."""
+    """Drops the records whose message starts with one of ``starts``."""
+
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(DEEPSPEED_MESSAGES)
+        return not str(record.msg).startswith(self.starts)
 
 
 def quiet_dependencies() -> None:
@@ -40,15 +48,16 @@ def quiet_dependencies() -> None:
 
     Forked ranks inherit the filters; processes that megatron spawns (a
     multiprocessing manager per rank for torch_dist) start a fresh interpreter
-    and read ``PYTHONWARNINGS``. DeepSpeed logs through a logger with its own
-    handler, so a filter on that logger (kept when DeepSpeed configures it on
-    import) drops its records.
+    and read ``PYTHONWARNINGS``. DeepSpeed and torch log through loggers with
+    their own handlers, so a filter on each logger (kept when the library
+    configures it on import) drops the known records.
     """
     for category, start in WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(start), category=category)
     entries = [f"ignore:{start}:{category.__name__}" for category, start in WARNINGS]
     inherited = [e for e in os.environ.get("PYTHONWARNINGS", "").split(",") if e]
     os.environ["PYTHONWARNINGS"] = ",".join(inherited + [e for e in entries if e not in inherited])
-    deepspeed = logging.getLogger("DeepSpeed")
-    if not any(isinstance(f, _DropKnown) for f in deepspeed.filters):
-        deepspeed.addFilter(_DropKnown())
+    for name, starts in LOGGED.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnown) for f in logger.filters):
+            logger.addFilter(_DropKnown(starts))
