@@ -12,7 +12,7 @@ import os
 import re
 import warnings
 
-# (category, start of the message)
+# (category, start of the message; no ',' or ':', which PYTHONWARNINGS cannot hold)
 WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     # megatron-core's import on hosts without them: four per process, its fallbacks are used
     (UserWarning, "Transformer Engine and Apex are not installed"),
@@ -20,6 +20,9 @@ WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     (UserWarning, "absl.logging is not installed"),
     # torch.distributed.checkpoint's old name, called by megatron's torch_dist loader
     (FutureWarning, "`load_state_dict` is deprecated"),
+    # megatron 0.19's torch_dist loader reads each rank's part with no_dist=True and positional arguments
+    (UserWarning, "torch.distributed is disabled"),
+    (UserWarning, "The argument order of load has been changed"),
 )
 # logger -> start of its messages
 LOGGED: dict[str, tuple[str, ...]] = {
@@ -29,6 +32,9 @@ LOGGED: dict[str, tuple[str, ...]] = {
     ),
     # a CPU-only torch on a host with a CUDA toolkit, when DeepSpeed's op builder imports it: our ops are CPU ops
     "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+    # megatron 0.19: its own load() calls its deprecated load_common, its own save() its "mcore" async path
+    "megatron.core.dist_checkpointing.strategies.common": ("load_common is deprecated",),
+    "megatron.core.dist_checkpointing.strategies.torch": ("MCore's async save is deprecated",),
 }
 
 
