@@ -36,7 +36,7 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def output_path_problem(path: str, suffix: str = "") -> Optional[str]:
+def _output_path_problem(path: str, suffix: str = "") -> Optional[str]:
     """Why a report cannot be written to ``path``; checked before a benchmark that may run for minutes."""
     if suffix and not path.lower().endswith(suffix):
         return f"{path} must end in {suffix}"
@@ -61,9 +61,9 @@ def _bench_problems(args: argparse.Namespace) -> list[str]:
     if unknown:
         problems.append(f"unknown contenders {sorted(unknown)}; known: {sorted(CONTENDER_NAMES)}")
     if args.json:
-        problems.append(output_path_problem(args.json))
+        problems.append(_output_path_problem(args.json))
     if args.plot:
-        problems.append(output_path_problem(args.plot, ".png"))
+        problems.append(_output_path_problem(args.plot, ".png"))
     return [p for p in problems if p]
 
 
