@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -27,8 +28,10 @@ subprocess.run([sys.executable, "-c", child], check=True)
 
 
 def _stderr(setup: str) -> str:
+    # without a PYTHONWARNINGS that the command, run in this process by other tests, left in the environment
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     proc = subprocess.run([sys.executable, "-c", EMIT.format(setup=setup)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc.stderr
 
