@@ -1,4 +1,4 @@
-"""The commands of ``fastpersist-dist``: ``bench``, ``sweep``, ``verify``, ``inspect`` and ``build-ops``.
+"""The commands of ``fastpersist-dist``: ``bench``, ``sweep``, ``simulate``, ``verify``, ``inspect``, ``build-ops``.
 
 ``fastpersist_dist_cli`` parses and checks the arguments without importing this
 package, then calls the function of the same name here (exit codes there).
@@ -131,7 +131,25 @@ def inspect(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-__all__ = ["bench", "build_ops", "inspect", "main", "sweep", "verify"]
+def simulate(args: argparse.Namespace) -> int:
+    """``simulate``: checkpoint metadata at scale, as a table (and JSON)."""
+    from .bench import simulate as simulation
+
+    dist_opts = {"on": [True], "off": [False], "both": [True, False]}[args.dist_opt]
+    shape = {"tp": args.tp, "pp": args.pp, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab}
+    try:
+        rows = simulation.run(args.dp, dist_opts, args.world_plan_max, args.central_max, **shape)
+    except ValueError as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    print(simulation.format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+__all__ = ["bench", "build_ops", "inspect", "main", "simulate", "sweep", "verify"]
 
 if __name__ == "__main__":
     sys.exit(main())

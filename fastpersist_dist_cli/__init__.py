@@ -14,7 +14,8 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-_DESCRIPTION = """FastPersist checkpoints for megatron-core: benchmark, knob search, verify, inspect, build ops.
+_DESCRIPTION = """FastPersist checkpoints for megatron-core: benchmark, knob search, simulation at scale, verify,
+inspect, build ops.
 
 Exit codes: 0 success, 1 the checkpoint has problems, 2 bad arguments or an
 unusable directory."""
@@ -71,6 +72,7 @@ def _bench_problems(args: argparse.Namespace) -> list[str]:
 _CHECKS: dict[str, Callable[[argparse.Namespace], list[str]]] = {
     "bench": _bench_problems,
     "sweep": lambda args: [p for p in [_layout_problem(args)] if p],
+    "simulate": lambda args: [p for p in [args.json and _output_path_problem(args.json)] if p],
 }
 
 
@@ -133,6 +135,20 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("directory", help="checkpoint directory")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=_command("inspect"))
+    m = sub.add_parser("simulate", help="checkpoint metadata at 1k-16k ranks: exchange, planning, index (no I/O)")
+    m.add_argument("--dp", type=_positive_int, nargs="+", default=[8, 32, 128], help="DP sizes (default 8 32 128)")
+    m.add_argument("--dist-opt", choices=("on", "off", "both"), default="both", help="distributed optimizer")
+    m.add_argument("--tp", type=_positive_int, default=8, help="tensor parallel (default 8)")
+    m.add_argument("--pp", type=_positive_int, default=16, help="pipeline parallel (default 16)")
+    m.add_argument("--layers", type=_positive_int, default=96, help="transformer layers (default 96)")
+    m.add_argument("--hidden", type=_positive_int, default=12288, help="hidden size (default 12288)")
+    m.add_argument("--vocab", type=_positive_int, default=51200, help="padded vocabulary (default 51200)")
+    m.add_argument("--world-plan-max", type=_positive_int, default=1024,
+                   help="plan the whole world at once up to this many ranks, extrapolate beyond (default 1024)")
+    m.add_argument("--central-max", type=_positive_int, default=1024,
+                   help="run DCP's central planning up to this many ranks, extrapolate beyond (default 1024)")
+    m.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    m.set_defaults(func=_command("simulate"))
     o = sub.add_parser("build-ops", help="build (or check) the DeepSpeed ops FastPersist uses")
     o.set_defaults(func=_command("build_ops"))
     return p
