@@ -47,7 +47,7 @@ def test_groups_planned_apart_store_every_element_once(dist_opt):
 def test_simulate_command_extrapolates_beyond_the_limits(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "fastpersist_dist.cli", "simulate", "--dp", "2", "4", "--dist-opt", "on",
+        [sys.executable, "-m", "fastpersist_dist_cli", "simulate", "--dp", "2", "4", "--dist-opt", "on",
          "--tp", "2", "--pp", "3", "--layers", "6", "--hidden", "256", "--vocab", "512",
          "--world-plan-max", "12", "--central-max", "12", "--json", str(out)],
         capture_output=True, text=True, timeout=600,

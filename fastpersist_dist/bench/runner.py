@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import progress
 from ..async_queue import collective_device
 from ..commit import read_index
 from ..config import WriteConfig
@@ -125,6 +126,9 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
         resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True, device=device)
         preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
         aio_resources(cfg.write.aio)
+        display = progress.ProgressLine(sys.stderr)  # rank 0's bytes (its writer's and its reads)
+        if rank == 0:
+            progress.install(display)
         results = []
         for name in cfg.contenders:
             contender = CONTENDERS[name]
@@ -137,6 +141,7 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
                     shutil.rmtree(ckpt, ignore_errors=True)
                     os.makedirs(ckpt)
                 blocked: list = []
+                display.label = f"bench: {name} {rep + 1}/{cfg.reps} save"
                 res.save_s.append(_timed(lambda: blocked.append(contender.save(sd, ckpt, cfg.write))))
                 if blocked[0] is not None:
                     res.blocking_s.append(_max_over_ranks(blocked[0]))
@@ -146,11 +151,13 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
                     if rank == 0:
                         drop_page_cache(ckpt)
                     template = {k: _blank(v) for k, v in expected.items()}
+                    display.label = f"bench: {name} {rep + 1}/{cfg.reps} {'load' if expected is sd else 'reshard'}"
                     holder: dict = {}
                     times.append(_timed(lambda: holder.update(contender.load(template, ckpt, cfg.write))))
                     _check(name, holder, expected)
                 dist.barrier()
                 if rank == 0:
+                    display.clear()
                     timings = ", ".join(f"{op} {t[-1]:.2f} s" for op, t in
                                         (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s)) if t)
                     print(f"bench: {name} {rep + 1}/{cfg.reps}: {timings}", file=sys.stderr, flush=True)

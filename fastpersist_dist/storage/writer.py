@@ -23,6 +23,7 @@ from typing import Iterator, Protocol
 
 import torch
 
+from .. import progress
 from ..checksum import BlockHasher, digest_bytes
 from ..config import MiB, WriteConfig
 from ..errors import FastPersistError
@@ -281,6 +282,7 @@ def _stream(
     waits the double buffer cannot hide) and "flush+fsync".
     """
     out: list[ShardRecord] = []
+    shown = progress.task("write", sum(item.record.length for item in items))
     try:
         for item in items:
             where = f"writing {item.record.describe()}"
@@ -291,6 +293,7 @@ def _stream(
                 sink.write(piece)
                 phases.mark("copy+aio")
             out.append(with_checksums(item.record, hasher.finish()))
+            shown.add(item.record.length)
         where = "flushing and fsyncing"
         sink.close()
         phases.mark("flush+fsync")
