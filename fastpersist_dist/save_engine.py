@@ -16,7 +16,7 @@ import gc
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterator, Optional
 
@@ -24,35 +24,16 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_formats import CheckpointFormat
-from .commit import agree, check_target_directory, finalize_save, gather_or_fail, invalidate, raise_if, write_status
+from .commit import agree, check_target_directory, finalize_save, gather_or_fail, invalidate, raise_if, write_and_report
 from .config import WriteConfig
 from .errors import FastPersistError, SaveFailedError
 from .plan import PlanCache, PlanError, place_in_rank_file
 from .staging import SnapshotPool, StagedShard, assign, stage, to_host_bytes
-from .storage.writer import WriteItem, preload_ops, write_rank_file
+from .storage.writer import WriteItem, preload_ops
 from .timing import Phases
+from .writer_process import WriterJob, describe_items, write_in_writer, writer_client
 
 logger = logging.getLogger(__name__)
-
-
-def write_and_report(checkpoint_dir: str, items: list[WriteItem], config: WriteConfig, rank: int,
-                     data_file: str, owner_pid: int) -> None:
-    """The async part: write this rank's file and leave a status; never raises (see commit.py).
-
-    Run in a process forked from the trainer (any async caller), torch's OpenMP
-    pool inherited from the parent deadlocks on the first parallel copy, so the
-    writer then uses one intra-op thread: it is I/O-bound anyway.
-    """
-    if os.getpid() != owner_pid:
-        torch.set_num_threads(1)
-    path = os.path.join(checkpoint_dir, data_file)
-    try:
-        result = write_rank_file(path, items, config, rank)
-    except BaseException as e:  # noqa: BLE001 - reported to every rank at finalize
-        logger.error("fastpersist: rank %d failed writing %s: %s", rank, path, e)
-        write_status(checkpoint_dir, rank, None, e)
-        return
-    write_status(checkpoint_dir, rank, result, None)
 
 
 @dataclass
@@ -109,24 +90,48 @@ def _items(staged: list[StagedShard], fmt: CheckpointFormat, rank: int) -> list[
     return [WriteItem(r, s.data, p, q) for r, s, (p, q) in zip(records, staged, frames)]
 
 
+@dataclass
+class _ProcessWide:
+    """What every save of this process shares, whichever strategy instance runs it.
+
+    A fresh strategy per save (``sharded_strategy=FastPersistSaveStrategy()``)
+    then reuses the snapshot buffer and the write plan, and an async save into a
+    directory still being written is refused whoever issued the first one.
+    """
+
+    pool: SnapshotPool = field(default_factory=lambda: SnapshotPool(writer_client().add_buffer,
+                                                                    writer_client().drop_buffer))
+    plans: PlanCache = field(default_factory=PlanCache)
+    writing: set[str] = field(default_factory=set)  # directories of async saves not yet finalized
+
+
+_PROCESS_WIDE: dict[int, _ProcessWide] = {}
+
+
+def _process_wide() -> _ProcessWide:
+    """This process's shared save state (a forked child starts its own: buffers are shared memory)."""
+    state = _PROCESS_WIDE.get(os.getpid())
+    if state is None:
+        state = _PROCESS_WIDE[os.getpid()] = _ProcessWide()
+    return state
+
+
 class SaveEngine:
-    """Saves of one strategy: keeps the write plan and snapshot buffer across saves."""
+    """Saves with one configuration and format; plan, buffers and writer are per process."""
 
     def __init__(self, config: WriteConfig, fmt: CheckpointFormat):
         self.config = config
         self.fmt = fmt
-        self._pool = SnapshotPool()
-        self._plans = PlanCache()
-        self._writing: set[str] = set()  # directories of async saves not yet finalized
 
     def load_ops(self) -> None:
-        """Load DeepSpeed's native ops in this process now (seconds, once per process)."""
+        """Load DeepSpeed's native ops here and start the rank's writer process (seconds, once per process)."""
         preload_ops(self.config)
+        writer_client().ensure_running()
 
     @property
     def plan_reused(self) -> bool:
         """Whether the last save reused the cached write plan (same shard structure, no re-planning)."""
-        return self._plans.reused
+        return _process_wide().plans.reused
 
     def prepare(self, sharded_state_dict: dict, checkpoint_dir: str, snapshot: bool,
                 aux_files: Optional[dict[str, bytes]] = None) -> SaveJob:
@@ -141,10 +146,11 @@ class SaveEngine:
 
     def _prepare(self, sharded_state_dict: dict, ckpt: str, snapshot: bool, aux_files: dict[str, bytes]) -> SaveJob:
         rank = dist.get_rank()
+        shared = _process_wide()
         target = os.path.realpath(ckpt)
-        if target in self._writing:  # the same on every rank: finalize is collective
+        if target in shared.writing:  # the same on every rank: finalize is collective
             raise SaveFailedError(
-                f"rank {rank}: {ckpt} is still being written by an earlier async save of this strategy; "
+                f"rank {rank}: {ckpt} is still being written by an earlier async save of this process; "
                 "finalize that one first (e.g. AsyncSaveQueue.maybe_finalize(blocking=True)); its data files were "
                 "not touched"
             )
@@ -159,13 +165,13 @@ class SaveEngine:
             error = check_target_directory(ckpt)
         what = f"cannot save checkpoint {ckpt}"
         phases.mark("describe")
-        gathered = _exchange(self._plans.outgoing(rank, [s.record for s in staged]), error, what)
+        gathered = _exchange(shared.plans.outgoing(rank, [s.record for s in staged]), error, what)
         try:
-            plan = self._plans.plan(gathered, self.config.balance)
+            plan = shared.plans.plan(gathered, self.config.balance)
         except PlanError as e:  # the same on every rank: the plan is a function of the gathered data
             raise SaveFailedError(f"{what}; nothing was written: {e}") from None
         if rank == 0:
-            _log_plan(plan, self._plans.reused)
+            _log_plan(plan, shared.plans.reused)
         staged = assign(staged, plan[rank], rank)
         phases.mark("exchange+plan")
         prep_error = None
@@ -179,19 +185,21 @@ class SaveEngine:
         finalize: list[Callable[[], None]] = [
             partial(finalize_save, ckpt, self.config.checksum_block_bytes, self.fmt, aux_files)
         ]
-        if snapshot:
-            # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
-            finalize[:0] = [partial(self._pool.release, self._pool.snapshot(staged)),
-                            partial(self._writing.discard, target)]
-            self._writing.add(target)
-            phases.mark("snapshot")
-            self.load_ops()
-            phases.mark("load ops")
-        else:
+        if not snapshot:
             to_host_bytes(staged)
             phases.mark("host bytes")
-        items = _items(staged, self.fmt, rank)
+            items = _items(staged, self.fmt, rank)
+            phases.mark("frame")
+            logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
+            return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank)), finalize)
+        lease = shared.pool.snapshot(staged)
+        phases.mark("snapshot")
+        address, writer_pid = writer_client().ensure_running()
+        # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
+        finalize[:0] = [partial(shared.pool.release, lease), partial(shared.writing.discard, target)]
+        shared.writing.add(target)
+        job = WriterJob(ckpt, self.fmt.data_file(rank), describe_items(_items(staged, self.fmt, rank), lease[1]),
+                        self.config, rank)
         phases.mark("frame")
         logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
-        args = (ckpt, items, self.config, rank, self.fmt.data_file(rank), os.getpid())
-        return SaveJob(write_and_report, args, finalize)
+        return SaveJob(write_in_writer, (address, writer_pid, job), finalize)
