@@ -73,6 +73,7 @@ from .multiproc import run_ranks
 logger = logging.getLogger(__name__)
 
 BIG = (2048, 4096)  # float32: 16 MiB per rank of 2
+HUGE = (16384, 8192)  # float32: 256 MiB per rank of 2
 SMALL = (64, 256)
 KILL_AT = 4 * MiB  # a victim dies when its data file reaches this size
 DEAD_PEER = "a rank died or timed out"
@@ -313,16 +314,19 @@ def test_overwrite_killed_half_way_is_refused_not_mixed(tmp_path):
 
 def _async_writer_killed(rank: int, world: int, root: str) -> tuple[Raised, None]:
     strategy, queue = native_strategy(), AsyncSaveQueue()
-    if rank == 1:  # its writer process starts under the limit (not the handler): the kernel kills it mid-write
-        _die_at_file_size(KILL_AT)
-        core = resource.getrlimit(resource.RLIMIT_CORE)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, core[1]))
-        strategy.load_ops()
-        resource.setrlimit(resource.RLIMIT_CORE, core)
-        _live_again()
     make_dir(f"{root}/new")
-    queue.schedule(dist_checkpointing.save(_sd("w", BIG, rank, world, 2), f"{root}/new",
-                                           sharded_strategy=strategy, async_sharded_save=True, **ASYNC_KW))
+    big = {"w": sharded("w", torch.ones(HUGE), rank, world, 0)}  # long enough a write to stop it in the middle
+    queue.schedule(dist_checkpointing.save(big, f"{root}/new", sharded_strategy=strategy, async_sharded_save=True,
+                                           **ASYNC_KW))
+    if rank == 1:  # SIGKILL the writer process mid-write (e.g. the OOM killer)
+        writer, data = writer_client().pid, f"{root}/new/{data_file_name(rank)}"
+        while not os.path.exists(data):
+            time.sleep(0.001)
+        os.kill(writer, signal.SIGSTOP)
+        written = os.path.getsize(data)
+        assert written < HUGE[0] * HUGE[1] * 4 // world and not os.path.exists(f"{root}/new/{status_file_name(1)}"), \
+            f"the writer finished ({written} bytes) before it could be stopped mid-write"
+        os.kill(writer, signal.SIGKILL)
     error = _save_error(lambda: queue.maybe_finalize(blocking=True))
     make_dir(f"{root}/again")  # the trainers survived: the next save works (rank 1 with a new writer)
     queue.schedule(dist_checkpointing.save(_sd("w", BIG, rank, world, 3), f"{root}/again",
