@@ -207,6 +207,15 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--direct-io", choices=("auto", "on", "off"), help="O_DIRECT+aio, with fallback (auto)")
     k.add_argument("--no-balance", action="store_true", help="main replicas write everything (no DP split)")
     b.set_defaults(func=_bench)
+    t = sub.add_parser("bench-train", help="a training loop with async checkpoints every K steps: its slowdown, "
+                       "ours against megatron's torch_dist async (see docs/async.md)")
+    _state_args(t)
+    t.add_argument("--steps", type=_positive_int, default=30, help="loop steps (default 30)")
+    t.add_argument("--every", type=_positive_int, default=10, help="checkpoint every K steps (default 10)")
+    t.add_argument("--contenders", default=None, help="comma-separated, with 'none' (default: none, torch_dist, "
+                   "fastpersist_megatron_queue, fastpersist)")
+    t.set_defaults(func=lambda a: __import__("fastpersist_dist.bench.training_loop", fromlist=["main_train"])
+                   .main_train(_bench_config(a), a.steps, a.every, a.contenders))
     w = sub.add_parser("sweep", help="search the write knobs one at a time around the defaults (FastPersist save)")
     _state_args(w)
     w.set_defaults(func=_sweep)

@@ -124,9 +124,12 @@ class SaveEngine:
         self.fmt = fmt
 
     def load_ops(self) -> None:
-        """Load DeepSpeed's native ops here and start the rank's writer process (seconds, once per process)."""
+        """Load DeepSpeed's native ops here, start the rank's writer process and wait until it serves.
+
+        Seconds, once per process; without it the first async save becomes durable that much later.
+        """
         preload_ops(self.config)
-        writer_client().ensure_running()
+        writer_client().wait_ready()
 
     @property
     def plan_reused(self) -> bool:

@@ -14,6 +14,7 @@ one connection per message, a message being a length-prefixed pickle:
 * ``("buffer", id, nbytes)`` with the memfd attached: map it (the trainer, when
   a snapshot buffer is made, or again for a new writer);
 * ``("drop", id)``: unmap it;
+* ``("ping",)``: answer ``("pong", None)`` (the writer is ready);
 * ``("job", WriterJob)``: write the file, leave the status (as any writer does,
   see commit.py) and answer ``("done", None)``. The caller (the request's
   ``async_fn``, in whatever process megatron's or our queue runs it) waits for
@@ -204,6 +205,16 @@ class WriterClient:
             self._share(buffer)
         return self._address, self._process.pid
 
+    def wait_ready(self) -> None:
+        """Start the writer if needed and wait until it serves (its imports and ops take seconds)."""
+        address, pid = self.ensure_running()
+        try:
+            with _connect(address) as sock:
+                _send(sock, ("ping",))
+                _recv(sock)
+        except (OSError, EOFError) as e:
+            raise FastPersistError(f"the writer process {pid} did not start ({type(e).__name__}: {e})") from e
+
     def add_buffer(self, buffer: SharedBuffer) -> None:
         """Let the writer map ``buffer`` (no wait: it is read before any later job)."""
         self._buffers[buffer.id] = buffer
@@ -269,6 +280,8 @@ class _Writer:
                 self._maps.pop(message[1], None)
             elif message[0] == "job":
                 _send(conn, self._write(message[1]))
+            elif message[0] == "ping":
+                _send(conn, ("pong", None))
         finally:
             for fd in fds:
                 os.close(fd)

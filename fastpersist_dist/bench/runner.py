@@ -110,17 +110,22 @@ def _bytes_per_rank(ckpt: str) -> list[int]:
     return [index.files.get(fmt.data_file(r), 0) for r in range(index.world_size)]
 
 
-def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
+def init_rank(rank: int, world: int, port: int) -> torch.device:
+    """Join the benchmark's process group (NCCL on GPUs, else gloo); the device the rank's state lives on."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its SSD-endurance warning on every aio write
+    gpu = torch.cuda.is_available()  # first CUDA call of this (forked) rank: the parent made none
+    if gpu:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=30))
+    return torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+
+
+def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
     try:
-        gpu = torch.cuda.is_available()  # first CUDA call of this (forked) rank: the parent made none
-        if gpu:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=cfg.ranks,
-                                timeout=datetime.timedelta(minutes=30))
+        device = init_rank(rank, cfg.ranks, port)
         shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
-        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         sd = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, device=device)
         resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True, device=device)
         preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
@@ -174,20 +179,17 @@ def _blank(sh: Any) -> Any:
     )
 
 
-def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
-    """Run the benchmark on ``cfg.ranks`` forked ranks; return the report as a dict."""
-    os.makedirs(cfg.directory, exist_ok=True)
+def on_ranks(ranks: int, target: Callable[..., None], *args: Any) -> list[Any]:
+    """Fork ``ranks`` processes running ``target(rank, *args, port, queue)``; each puts (rank, ok, value).
+
+    Returns the values by rank; raises with every failed rank's traceback.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, cfg, port, queue)) for r in range(cfg.ranks)]
-    shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
-    progress(
-        f"bench: {cfg.ranks} ranks (TP={cfg.tp}), GPT state hidden={shape.hidden} layers={shape.layers} "
-        f"{shape.total_bytes() / GiB:.2f} GiB, {cfg.reps} reps of {', '.join(cfg.contenders)} in {cfg.directory}"
-    )
+    procs = [ctx.Process(target=target, args=(r, *args, port, queue)) for r in range(ranks)]
     for p in procs:
         p.start()
     outcomes = {}
@@ -199,7 +201,18 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
     failed = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
     if failed:
         raise RuntimeError("benchmark failed:\n" + "\n".join(failed))
-    shape, results = outcomes[0][1]
+    return [outcomes[r][1] for r in range(ranks)]
+
+
+def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
+    """Run the benchmark on ``cfg.ranks`` forked ranks; return the report as a dict."""
+    os.makedirs(cfg.directory, exist_ok=True)
+    shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
+    progress(
+        f"bench: {cfg.ranks} ranks (TP={cfg.tp}), GPT state hidden={shape.hidden} layers={shape.layers} "
+        f"{shape.total_bytes() / GiB:.2f} GiB, {cfg.reps} reps of {', '.join(cfg.contenders)} in {cfg.directory}"
+    )
+    shape, results = on_ranks(cfg.ranks, _rank_main, cfg)[0]
     return report(cfg, shape, results)
 
 
