@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterator, Optional
 
-import torch
 import torch.distributed as dist
 
 from .checkpoint_formats import CheckpointFormat

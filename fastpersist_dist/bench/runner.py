@@ -122,52 +122,46 @@ def init_rank(rank: int, world: int, port: int) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
 
 
-def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
-    try:
-        device = init_rank(rank, cfg.ranks, port)
-        shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
-        sd = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, device=device)
-        resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True, device=device)
-        preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
-        aio_resources(cfg.write.aio)
-        results = []
-        for name in cfg.contenders:
-            contender = CONTENDERS[name]
-            res = Result(name)
-            loads = [(res.load_s, sd)] + ([(res.reshard_s, resharded)] if contender.reshards else [])
-            loads = loads if cfg.loads else []
-            for rep in range(cfg.reps):
-                ckpt = os.path.join(cfg.directory, f"{name}-{rep}")
+def _rank_main(rank: int, cfg: BenchConfig, port: int) -> tuple[GptShape, list[Result]]:
+    device = init_rank(rank, cfg.ranks, port)
+    shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
+    sd = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, device=device)
+    resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True, device=device)
+    preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
+    aio_resources(cfg.write.aio)
+    results = []
+    for name in cfg.contenders:
+        contender = CONTENDERS[name]
+        res = Result(name)
+        loads = [(res.load_s, sd)] + ([(res.reshard_s, resharded)] if contender.reshards else [])
+        loads = loads if cfg.loads else []
+        for rep in range(cfg.reps):
+            ckpt = os.path.join(cfg.directory, f"{name}-{rep}")
+            if rank == 0:
+                shutil.rmtree(ckpt, ignore_errors=True)
+                os.makedirs(ckpt)
+            blocked: list = []
+            res.save_s.append(_timed(lambda: blocked.append(contender.save(sd, ckpt, cfg.write))))
+            if blocked[0] is not None:
+                res.blocking_s.append(_max_over_ranks(blocked[0]))
+            if rep == cfg.reps - 1:
+                res.bytes_per_rank = _bytes_per_rank(ckpt)
+            for times, expected in loads:
                 if rank == 0:
+                    drop_page_cache(ckpt)
+                template = {k: _blank(v) for k, v in expected.items()}
+                holder: dict = {}
+                times.append(_timed(lambda: holder.update(contender.load(template, ckpt, cfg.write))))
+                _check(name, holder, expected)
+            dist.barrier()
+            if rank == 0:
+                timings = ", ".join(f"{op} {t[-1]:.2f} s" for op, t in
+                                    (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s)) if t)
+                print(f"bench: {name} {rep + 1}/{cfg.reps}: {timings}", file=sys.stderr, flush=True)
+                if not (cfg.keep and rep == cfg.reps - 1):
                     shutil.rmtree(ckpt, ignore_errors=True)
-                    os.makedirs(ckpt)
-                blocked: list = []
-                res.save_s.append(_timed(lambda: blocked.append(contender.save(sd, ckpt, cfg.write))))
-                if blocked[0] is not None:
-                    res.blocking_s.append(_max_over_ranks(blocked[0]))
-                if rep == cfg.reps - 1:
-                    res.bytes_per_rank = _bytes_per_rank(ckpt)
-                for times, expected in loads:
-                    if rank == 0:
-                        drop_page_cache(ckpt)
-                    template = {k: _blank(v) for k, v in expected.items()}
-                    holder: dict = {}
-                    times.append(_timed(lambda: holder.update(contender.load(template, ckpt, cfg.write))))
-                    _check(name, holder, expected)
-                dist.barrier()
-                if rank == 0:
-                    timings = ", ".join(f"{op} {t[-1]:.2f} s" for op, t in
-                                        (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s)) if t)
-                    print(f"bench: {name} {rep + 1}/{cfg.reps}: {timings}", file=sys.stderr, flush=True)
-                    if not (cfg.keep and rep == cfg.reps - 1):
-                        shutil.rmtree(ckpt, ignore_errors=True)
-            results.append(res)
-        queue.put((rank, True, (shape, results)))
-    except BaseException:  # noqa: BLE001 - shown to the user by the parent
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        results.append(res)
+    return shape, results
 
 
 def _blank(sh: Any) -> Any:
@@ -179,17 +173,27 @@ def _blank(sh: Any) -> Any:
     )
 
 
-def on_ranks(ranks: int, target: Callable[..., None], *args: Any) -> list[Any]:
-    """Fork ``ranks`` processes running ``target(rank, *args, port, queue)``; each puts (rank, ok, value).
+def _rank_entry(rank: int, target: Callable[..., Any], args: tuple, port: int, queue: Any) -> None:
+    try:
+        queue.put((rank, True, target(rank, *args, port)))
+    except BaseException:  # noqa: BLE001 - shown to the user by the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
-    Returns the values by rank; raises with every failed rank's traceback.
+
+def on_ranks(ranks: int, target: Callable[..., Any], *args: Any) -> list[Any]:
+    """Fork ``ranks`` processes running ``target(rank, *args, port)``; their return values by rank.
+
+    Raises with every failed rank's traceback.
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, *args, port, queue)) for r in range(ranks)]
+    procs = [ctx.Process(target=_rank_entry, args=(r, target, args, port, queue)) for r in range(ranks)]
     for p in procs:
         p.start()
     outcomes = {}

@@ -253,40 +253,32 @@ def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], cfg: Loop
     return run
 
 
-def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: int, queue: Any) -> None:
-    import traceback
-
-    try:
-        b = cfg.bench
-        device = init_rank(rank, b.ranks, port)
-        shape = GptShape.for_bytes(int(b.gib * GiB), b.tp)
-        sd = gpt_sharded_state_dict(shape, b.tp, rank, b.ranks, device=device)
-        tensors = [sh.data for sh in sd.values()]
-        train_step(tensors)  # every page touched once: the baseline holds the whole state
-        baseline = host_memory(include_writer=False)
-        FastPersistSaveStrategy(config=b.write).load_ops()  # at start-up, as docs/async.md advises
-        checkpointers = {name: CHECKPOINTERS[name](b) for name in contenders}
-        runs: dict[str, list[LoopRun]] = {name: [] for name in contenders}
-        for rep in range(b.reps):
-            for name, cp in checkpointers.items():
-                root = os.path.join(b.directory, f"train-{name}-{rep}")
-                if rank == 0:
-                    shutil.rmtree(root, ignore_errors=True)
-                    os.makedirs(root)
-                dist.barrier()
-                run = run_loop(cp, sd, tensors, cfg, root, baseline, sample_memory=rep == 0)
-                dist.barrier()
-                _remove(root)
-                runs[name].append(_over_ranks(run))
-                if rank == 0:
-                    print(f"bench-train: {name} {rep + 1}/{b.reps}: loop {runs[name][-1].loop_s:.2f} s",
-                          file=sys.stderr, flush=True)
-        queue.put((rank, True, (shape.total_bytes(), runs)))
-    except BaseException:  # noqa: BLE001 - shown to the user by the parent
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: int) -> tuple[int, dict]:
+    b = cfg.bench
+    device = init_rank(rank, b.ranks, port)
+    shape = GptShape.for_bytes(int(b.gib * GiB), b.tp)
+    sd = gpt_sharded_state_dict(shape, b.tp, rank, b.ranks, device=device)
+    tensors = [sh.data for sh in sd.values()]
+    train_step(tensors)  # every page touched once: the baseline holds the whole state
+    baseline = host_memory(include_writer=False)
+    FastPersistSaveStrategy(config=b.write).load_ops()  # at start-up, as docs/async.md advises
+    checkpointers = {name: CHECKPOINTERS[name](b) for name in contenders}
+    runs: dict[str, list[LoopRun]] = {name: [] for name in contenders}
+    for rep in range(b.reps):
+        for name, cp in checkpointers.items():
+            root = os.path.join(b.directory, f"train-{name}-{rep}")
+            if rank == 0:
+                shutil.rmtree(root, ignore_errors=True)
+                os.makedirs(root)
+            dist.barrier()
+            run = run_loop(cp, sd, tensors, cfg, root, baseline, sample_memory=rep == 0)
+            dist.barrier()
+            _remove(root)
+            runs[name].append(_over_ranks(run))
+            if rank == 0:
+                print(f"bench-train: {name} {rep + 1}/{b.reps}: loop {runs[name][-1].loop_s:.2f} s",
+                      file=sys.stderr, flush=True)
+    return shape.total_bytes(), runs
 
 
 def _over_ranks(run: LoopRun) -> LoopRun:
