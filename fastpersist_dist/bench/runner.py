@@ -35,6 +35,7 @@ from ..checkpoint_formats import BY_CONTAINER
 from ..format import INDEX_FILE
 from ..storage.deepspeed_ops import aio_resources
 from ..storage.writer import preload_ops
+from ..writer_process import writer_client
 from .baselines import CONTENDERS, DEFAULT_CONTENDERS, DEVICE_BOUND, SHIM_NOTE
 from .gpt_state import GptShape, gpt_sharded_state_dict
 
@@ -129,6 +130,8 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int) -> tuple[GptShape, list[R
     resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True, device=device)
     preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
     aio_resources(cfg.write.aio)
+    if "fastpersist_async" in cfg.contenders:  # and its writer process, as a trainer starts it (load_ops)
+        writer_client().wait_ready()
     results = []
     for name in cfg.contenders:
         contender = CONTENDERS[name]
