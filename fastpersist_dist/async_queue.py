@@ -92,7 +92,8 @@ class AsyncSaveQueue:
             head = self._active[0]
             if blocking and head.thread is not None:
                 head.thread.join()
-            writing = torch.tensor([int(head.thread is not None and head.thread.is_alive())], device=collective_device())
+            alive = head.thread is not None and head.thread.is_alive()
+            writing = torch.tensor([int(alive)], device=collective_device())
             try:
                 dist.all_reduce(writing)
             except RuntimeError as e:  # torch's DistError family: a rank died or timed out

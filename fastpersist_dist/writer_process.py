@@ -296,7 +296,9 @@ class _Writer:
 
     def _bytes(self, spec: ItemSpec) -> torch.Tensor:
         if spec.buffer is None:
-            return torch.frombuffer(bytearray(spec.inline), dtype=torch.uint8) if spec.inline else torch.empty(0, dtype=torch.uint8)
+            if not spec.inline:
+                return torch.empty(0, dtype=torch.uint8)
+            return torch.frombuffer(bytearray(spec.inline), dtype=torch.uint8)
         return self._maps[spec.buffer][1][spec.offset : spec.offset + spec.nbytes]
 
 

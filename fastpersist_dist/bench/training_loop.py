@@ -78,7 +78,7 @@ class _None(_Checkpointer):
 
 
 class _Ours(_Checkpointer):
-    """``save(..., sharded_strategy=FastPersistSaveStrategy(), async_sharded_save=True)``: a fresh strategy each time."""
+    """``save(..., sharded_strategy=FastPersistSaveStrategy(), async_sharded_save=True)``, a fresh strategy each."""
 
     uses_writer = True
 
@@ -315,7 +315,8 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]]) -> dict
         loop = _med([r.loop_s for r in reps])
         later = [c for r in reps for c in r.calls_s][1:]  # the first call of the process apart
         sync = _med([r.sync_s for r in reps if r.sync_s])
-        row: dict[str, Any] = {"name": name, "what": WHAT[name], "loop_s": loop, "loop_min_s": min(r.loop_s for r in reps),
+        row: dict[str, Any] = {"name": name, "what": WHAT[name], "loop_s": loop,
+                               "loop_min_s": min(r.loop_s for r in reps),
                                "loop_max_s": max(r.loop_s for r in reps)}
         if reference and name != "none":
             saves = len(cfg.save_steps)
