@@ -1,4 +1,4 @@
-"""A device-agnostic queue of async checkpoint requests with a forked writer per request.
+"""A device-agnostic queue of async checkpoint requests, each waited for by a thread.
 
 megatron-core's ``AsyncCallsQueue`` runs the same ``AsyncRequest`` objects, but
 in 0.16 its temporal caller calls ``torch.cuda.synchronize()`` and all-reduces
@@ -7,24 +7,17 @@ a tensor on ``torch.cuda.current_device()``, and its persistent worker calls
 has the same semantics (requests are finalized in order, on all ranks, only
 once every rank's writer is done) and works with gloo and NCCL alike.
 
-The writer is forked after staging, so it never touches an accelerator; it
-creates its own aio handle (one inherited over fork would hang). It dies with
-the trainer that forked it (``PR_SET_PDEATHSIG``): an orphaned writer would go
-on writing, and leave a status file, in a directory that a restarted job may
-be saving into again, and it holds the trainer's inherited sockets open, so the
-other ranks would notice the death only after the process-group timeout
-(120 s against 0.25 s in tests/test_faults.py). The kernel sends that signal
-when the forking *thread* exits, so schedule from a thread that lives as long
-as training (the main one).
+Our requests' ``async_fn`` only hands the job to the rank's persistent writer
+process (see writer_process.py) and waits, so it runs here in a thread: no
+process is forked per save. A forked caller (megatron's temporal queue) shares
+every page of the trainer copy-on-write while it lives, and the training loop
+then pays a page fault and a 4 KiB copy for each page it modifies during the save.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import multiprocessing as mp
-import os
-import signal
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -38,14 +31,12 @@ from .errors import SaveFailedError
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
-
 
 @dataclass
 class _Active:
     index: int
     request: AsyncRequest
-    process: Optional[mp.process.BaseProcess]
+    thread: Optional[threading.Thread]
     started: float
 
 
@@ -56,31 +47,19 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _run_writer(trainer_pid: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-    """Entry of the forked writer: arrange to be killed with the trainer, then write."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        logger.warning("fastpersist: writer %d cannot tie its life to trainer %d: %s",
-                       os.getpid(), trainer_pid, os.strerror(ctypes.get_errno()))
-    if os.getppid() != trainer_pid:  # the trainer died before prctl took effect
-        logger.error("fastpersist: trainer %d died before its writer %d started; nothing written",
-                     trainer_pid, os.getpid())
-        return
-    fn(*args, **kwargs)
-
-
-def _exit_description(exitcode: Optional[int]) -> str:
-    if exitcode is not None and exitcode < 0:
-        return f"was killed by signal {-exitcode} ({signal.strsignal(-exitcode)})"
-    return f"exited with code {exitcode}"
+def _call(index: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    try:
+        fn(*args, **kwargs)
+    except BaseException:  # noqa: BLE001 - ours never raise; another request's failure shows at finalize
+        logger.exception("fastpersist: the async function of save %d raised", index)
 
 
 class AsyncSaveQueue:
     """Schedule ``AsyncRequest``s and finalize them once every rank has written.
 
-    A save issued while earlier ones still write simply queues behind them: its
-    writer starts at once (each writes its own directory), and finalization is in
-    issue order. ``maybe_finalize(blocking=True)`` waits for all of them.
+    A save issued while earlier ones still write queues behind them (the rank's
+    writer takes them in order), and finalization is in issue order.
+    ``maybe_finalize(blocking=True)`` waits for all of them.
     """
 
     def __init__(self) -> None:
@@ -88,17 +67,16 @@ class AsyncSaveQueue:
         self._count = 0
 
     def schedule(self, request: AsyncRequest) -> int:
-        """Start ``request``'s writer in a forked process; returns its index. Collective-free."""
-        process = None
-        if request.async_fn is not None:
-            process = mp.get_context("fork").Process(
-                target=_run_writer,
-                args=(os.getpid(), request.async_fn, request.async_fn_args, request.async_fn_kwargs or {}),
-                daemon=True,
-            )
-            process.start()
+        """Start ``request``'s ``async_fn`` in a thread; returns its index. Collective-free."""
         self._count += 1
-        self._active.append(_Active(self._count, request, process, time.perf_counter()))
+        thread = None
+        if request.async_fn is not None:
+            thread = threading.Thread(
+                target=_call, name=f"fastpersist-async-save-{self._count}", daemon=True,
+                args=(self._count, request.async_fn, request.async_fn_args, request.async_fn_kwargs or {}),
+            )
+            thread.start()
+        self._active.append(_Active(self._count, request, thread, time.perf_counter()))
         return self._count
 
     def maybe_finalize(self, blocking: bool = False) -> list[int]:
@@ -112,9 +90,10 @@ class AsyncSaveQueue:
         done: list[int] = []
         while self._active:
             head = self._active[0]
-            if blocking and head.process is not None:
-                head.process.join()
-            writing = torch.tensor([int(head.process is not None and head.process.is_alive())], device=collective_device())
+            if blocking and head.thread is not None:
+                head.thread.join()
+            alive = head.thread is not None and head.thread.is_alive()
+            writing = torch.tensor([int(alive)], device=collective_device())
             try:
                 dist.all_reduce(writing)
             except RuntimeError as e:  # torch's DistError family: a rank died or timed out
@@ -125,11 +104,6 @@ class AsyncSaveQueue:
             if writing.item():
                 break
             self._active.popleft()
-            if head.process is not None:
-                head.process.join()
-                if head.process.exitcode != 0:  # its missing status fails the commit below on every rank
-                    logger.error("fastpersist: rank %d: the writer of async save %d (pid %d) %s", dist.get_rank(),
-                                 head.index, head.process.pid, _exit_description(head.process.exitcode))
             logger.info("fastpersist: async save %d written in %.2f s", head.index, time.perf_counter() - head.started)
             for fn in head.request.finalize_fns:
                 fn()

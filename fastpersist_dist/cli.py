@@ -86,6 +86,13 @@ def sweep(args: argparse.Namespace) -> int:
     return main_sweep(_bench_config(args))
 
 
+def bench_train(args: argparse.Namespace) -> int:
+    """``bench-train``: a training loop with async checkpoints, ours against megatron's."""
+    from .bench.training_loop import main_train
+
+    return main_train(_bench_config(args), args.steps, args.every, args.contenders)
+
+
 def _examine(command: str, examine: Callable[[str], Any], directory: str) -> Any:
     """``examine(directory)``, or None after printing why the directory cannot be examined (exit code 2)."""
     from .errors import FastPersistError
@@ -149,7 +156,7 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["bench", "build_ops", "inspect", "main", "simulate", "sweep", "verify"]
+__all__ = ["bench", "bench_train", "build_ops", "inspect", "main", "simulate", "sweep", "verify"]
 
 if __name__ == "__main__":
     sys.exit(main())

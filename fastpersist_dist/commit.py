@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from .checkpoint_formats import DCP_METADATA_FILE, CheckpointFormat
 from .checksum import digest_bytes
+from .config import WriteConfig
 from .dcp_metadata import metadata_bytes
 from .errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
 from .format import (
@@ -50,7 +51,7 @@ from .format import (
     record_to_json,
     status_file_name,
 )
-from .storage.writer import WriteResult
+from .storage.writer import WriteItem, WriteResult, write_rank_file
 
 logger = logging.getLogger(__name__)
 TMP_SUFFIX = ".fastpersist.tmp"  # atomic_write's temp files: only ours are removed when overwriting
@@ -191,6 +192,22 @@ def write_status(checkpoint_dir: str, rank: int, result: Optional[WriteResult], 
         atomic_write(os.path.join(checkpoint_dir, status_file_name(rank)), json.dumps(doc).encode())
     except OSError:
         logger.exception("fastpersist: rank %d could not write its status file in %s", rank, checkpoint_dir)
+
+
+def write_and_report(checkpoint_dir: str, items: list[WriteItem], config: WriteConfig, rank: int,
+                     data_file: str) -> None:
+    """Step 2: write this rank's file and leave its status; never raises (the status is the hand-over).
+
+    Runs in the trainer (synchronous save) or in the rank's writer process (async).
+    """
+    path = os.path.join(checkpoint_dir, data_file)
+    try:
+        result = write_rank_file(path, items, config, rank)
+    except BaseException as e:  # noqa: BLE001 - reported to every rank at finalize
+        logger.error("fastpersist: rank %d failed writing %s: %s", rank, path, e)
+        write_status(checkpoint_dir, rank, None, e)
+        return
+    write_status(checkpoint_dir, rank, result, None)
 
 
 def read_status(checkpoint_dir: str, rank: int, fmt: CheckpointFormat) -> dict[str, Any]:

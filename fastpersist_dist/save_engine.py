@@ -16,44 +16,24 @@ import gc
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterator, Optional
 
-import torch
 import torch.distributed as dist
 
 from .checkpoint_formats import CheckpointFormat
-from .commit import agree, check_target_directory, finalize_save, gather_or_fail, invalidate, raise_if, write_status
+from .commit import agree, check_target_directory, finalize_save, gather_or_fail, invalidate, raise_if, write_and_report
 from .config import WriteConfig
 from .errors import FastPersistError, SaveFailedError
 from .format import ShardRecord
 from .plan import PlanCache, PlanError, place_in_rank_file
 from .staging import SnapshotPool, StagedShard, assign, stage, to_host_bytes
-from .storage.writer import WriteItem, preload_ops, write_rank_file
+from .storage.writer import WriteItem, preload_ops
 from .timing import Phases
+from .writer_process import WriterJob, describe_items, write_in_writer, writer_client
 
 logger = logging.getLogger(__name__)
-
-
-def write_and_report(checkpoint_dir: str, items: list[WriteItem], config: WriteConfig, rank: int,
-                     data_file: str, owner_pid: int) -> None:
-    """The async part: write this rank's file and leave a status; never raises (see commit.py).
-
-    Run in a process forked from the trainer (any async caller), torch's OpenMP
-    pool inherited from the parent deadlocks on the first parallel copy, so the
-    writer then uses one intra-op thread: it is I/O-bound anyway.
-    """
-    if os.getpid() != owner_pid:
-        torch.set_num_threads(1)
-    path = os.path.join(checkpoint_dir, data_file)
-    try:
-        result = write_rank_file(path, items, config, rank)
-    except BaseException as e:  # noqa: BLE001 - reported to every rank at finalize
-        logger.error("fastpersist: rank %d failed writing %s: %s", rank, path, e)
-        write_status(checkpoint_dir, rank, None, e)
-        return
-    write_status(checkpoint_dir, rank, result, None)
 
 
 @dataclass
@@ -104,25 +84,61 @@ def _items(staged: list[StagedShard], fmt: CheckpointFormat, rank: int) -> list[
     return [WriteItem(r, s.data, p, q) for r, s, (p, q) in zip(records, staged, frames)]
 
 
+@dataclass
+class _ProcessWide:
+    """What every save of this process shares, whichever strategy instance runs it.
+
+    A fresh strategy per save (``sharded_strategy=FastPersistSaveStrategy()``)
+    then reuses the snapshot buffer and the write plan, and an async save into a
+    directory still being written is refused whoever issued the first one.
+    """
+
+    pool: SnapshotPool = field(default_factory=lambda: SnapshotPool(writer_client().add_buffer,
+                                                                    writer_client().drop_buffer))
+    plans: dict[Optional[tuple[int, ...]], PlanCache] = field(default_factory=dict)  # per group (None: world)
+    writing: set[str] = field(default_factory=set)  # directories of async saves not yet finalized
+
+
+    def plan_cache(self, ranks: Optional[tuple[int, ...]]) -> PlanCache:
+        """The plan cache of the saves planned over ``ranks`` (a cache holds one group's structure)."""
+        return self.plans.setdefault(ranks, PlanCache())
+
+
+_PROCESS_WIDE: dict[int, _ProcessWide] = {}
+
+
+def _process_wide() -> _ProcessWide:
+    """This process's shared save state (a forked child starts its own: buffers are shared memory)."""
+    state = _PROCESS_WIDE.get(os.getpid())
+    if state is None:
+        state = _PROCESS_WIDE[os.getpid()] = _ProcessWide()
+    return state
+
+
 class SaveEngine:
-    """Saves of one strategy: keeps the write plan and snapshot buffer across saves."""
+    """Saves with one configuration and format; plan, buffers and writer are per process."""
 
     def __init__(self, config: WriteConfig, fmt: CheckpointFormat, group: Optional[dist.ProcessGroup] = None):
         self.config = config
         self.fmt = fmt
         self.group = group  # ranks that exchange shard lists and plan together (None: the world)
-        self._pool = SnapshotPool()
-        self._plans = PlanCache()
-        self._writing: set[str] = set()  # directories of async saves not yet finalized
 
     def load_ops(self) -> None:
-        """Load DeepSpeed's native ops in this process now (seconds, once per process)."""
+        """Load DeepSpeed's native ops here, start the rank's writer process and wait until it serves.
+
+        Seconds, once per process; without it the first async save becomes durable that much later.
+        """
         preload_ops(self.config)
+        writer_client().wait_ready()
 
     @property
     def plan_reused(self) -> bool:
         """Whether the last save reused the cached write plan (same shard structure, no re-planning)."""
-        return self._plans.reused
+        return _process_wide().plan_cache(self._ranks()).reused
+
+    def _ranks(self) -> Optional[tuple[int, ...]]:
+        """The global ranks of the planning group, or None for the whole world."""
+        return None if self.group is None else tuple(dist.get_process_group_ranks(self.group))
 
     def _plan(self, held: list[ShardRecord], error: Optional[str], what: str) -> list[ShardRecord]:
         """Collective: what this rank writes, planned within its group; or the same error on every rank.
@@ -134,20 +150,21 @@ class SaveEngine:
         me = dist.get_rank(self.group)
         if me < 0:
             raise ValueError(f"rank {dist.get_rank()} is not a member of the strategy's parallel_group")
-        ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
-        gathered = gather_or_fail((error, self._plans.outgoing(me, held)), what, self.group)
+        ranks = self._ranks()
+        plans = _process_wide().plan_cache(ranks)
+        gathered = gather_or_fail((error, plans.outgoing(me, held)), what, self.group)
         failures = [err for err, _ in gathered if err]
         plan: list[list[ShardRecord]] = []
         if not failures:
             try:  # the same in the whole group: the plan is a function of the gathered data
-                plan = self._plans.plan([out for _, out in gathered], self.config.balance, ranks)
+                plan = plans.plan([out for _, out in gathered], self.config.balance, ranks)
             except PlanError as e:
                 failures = [str(e)]
         if self.group is not None:
             failures = [f for group_failures in gather_or_fail(failures, what) for f in group_failures]
         raise_if(failures, what)
         if me == 0:
-            _log_plan(plan, self._plans.reused, ranks)
+            _log_plan(plan, plans.reused, ranks)
         return plan[me]
 
     def prepare(self, sharded_state_dict: dict, checkpoint_dir: str, snapshot: bool,
@@ -163,10 +180,11 @@ class SaveEngine:
 
     def _prepare(self, sharded_state_dict: dict, ckpt: str, snapshot: bool, aux_files: dict[str, bytes]) -> SaveJob:
         rank = dist.get_rank()
+        shared = _process_wide()
         target = os.path.realpath(ckpt)
-        if target in self._writing:  # the same on every rank: finalize is collective
+        if target in shared.writing:  # the same on every rank: finalize is collective
             raise SaveFailedError(
-                f"rank {rank}: {ckpt} is still being written by an earlier async save of this strategy; "
+                f"rank {rank}: {ckpt} is still being written by an earlier async save of this process; "
                 "finalize that one first (e.g. AsyncSaveQueue.maybe_finalize(blocking=True)); its data files were "
                 "not touched"
             )
@@ -194,19 +212,21 @@ class SaveEngine:
         finalize: list[Callable[[], None]] = [
             partial(finalize_save, ckpt, self.config.checksum_block_bytes, self.fmt, aux_files)
         ]
-        if snapshot:
-            # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
-            finalize[:0] = [partial(self._pool.release, self._pool.snapshot(staged)),
-                            partial(self._writing.discard, target)]
-            self._writing.add(target)
-            phases.mark("snapshot")
-            self.load_ops()
-            phases.mark("load ops")
-        else:
+        if not snapshot:
             to_host_bytes(staged)
             phases.mark("host bytes")
-        items = _items(staged, self.fmt, rank)
+            items = _items(staged, self.fmt, rank)
+            phases.mark("frame")
+            logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
+            return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank)), finalize)
+        lease = shared.pool.snapshot(staged)
+        phases.mark("snapshot")
+        address, writer_pid = writer_client().ensure_running()
+        # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
+        finalize[:0] = [partial(shared.pool.release, lease), partial(shared.writing.discard, target)]
+        shared.writing.add(target)
+        job = WriterJob(ckpt, self.fmt.data_file(rank), describe_items(_items(staged, self.fmt, rank), lease[1]),
+                        self.config, rank)
         phases.mark("frame")
         logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
-        args = (ckpt, items, self.config, rank, self.fmt.data_file(rank), os.getpid())
-        return SaveJob(write_and_report, args, finalize)
+        return SaveJob(write_in_writer, (address, writer_pid, job), finalize)

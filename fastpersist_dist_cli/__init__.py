@@ -72,6 +72,8 @@ def _bench_problems(args: argparse.Namespace) -> list[str]:
 _CHECKS: dict[str, Callable[[argparse.Namespace], list[str]]] = {
     "bench": _bench_problems,
     "sweep": lambda args: [p for p in [_layout_problem(args)] if p],
+    "bench-train": lambda args: [p for p in [_layout_problem(args), args.every >= args.steps and
+                                             f"--every ({args.every}) must be below --steps ({args.steps})"] if p],
     "simulate": lambda args: [p for p in [args.json and _output_path_problem(args.json)] if p],
 }
 
@@ -125,6 +127,14 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--direct-io", choices=("auto", "on", "off"), help="O_DIRECT+aio, with fallback (auto)")
     k.add_argument("--no-balance", action="store_true", help="main replicas write everything (no DP split)")
     b.set_defaults(func=_command("bench"))
+    t = sub.add_parser("bench-train", help="a training loop with async checkpoints every K steps: its slowdown, "
+                       "ours against megatron's torch_dist async (see docs/async.md)")
+    _state_args(t)
+    t.add_argument("--steps", type=_positive_int, default=30, help="loop steps (default 30)")
+    t.add_argument("--every", type=_positive_int, default=10, help="checkpoint every K steps (default 10)")
+    t.add_argument("--contenders", default=None, help="comma-separated, with 'none' (default: none, torch_dist, "
+                   "fastpersist_megatron_queue, fastpersist)")
+    t.set_defaults(func=_command("bench_train"))
     w = sub.add_parser("sweep", help="search the write knobs one at a time around the defaults (FastPersist save)")
     _state_args(w)
     w.set_defaults(func=_command("sweep"))

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import resource
-import signal
 
 import pytest
 import torch
@@ -13,6 +11,8 @@ from megatron.core.dist_checkpointing import ShardedTensor
 
 from fastpersist_dist import FastPersistSaveStrategy, SaveFailedError
 from fastpersist_dist.async_queue import AsyncSaveQueue
+from fastpersist_dist.bench.baselines import torch_dist_cpu_shims
+from fastpersist_dist.compat import megatron_async_queue
 from fastpersist_dist.format import INDEX_FILE
 
 from .helpers import (ASYNC_KW, assert_same, global_tensor, load, make_dir, native_strategy, sharded)
@@ -80,13 +80,13 @@ def test_checkpoint_holds_state_at_save_call(tmp_path):
 
 def _three_in_a_row(rank: int, world: int, root: str) -> list[bool]:
     sd = state(rank, world)
-    strategy = native_strategy()
     queue = AsyncSaveQueue()
     expected, buffers = [], []
     for step in range(3):
         expected.append(snapshot(sd))
-        request = async_save(sd, f"{root}/step{step}", strategy)
-        buffers.append(request.finalize_fns[0].args[0][1].data_ptr())  # the snapshot buffer leased
+        # A fresh strategy per save, as in `save(..., sharded_strategy=FastPersistSaveStrategy())`
+        request = async_save(sd, f"{root}/step{step}", native_strategy())
+        buffers.append(request.finalize_fns[0].args[0][1].id)  # the snapshot buffer leased
         queue.schedule(request)
         mutate(sd, step)
         if step == 0:
@@ -100,7 +100,7 @@ def _three_in_a_row(rank: int, world: int, root: str) -> list[bool]:
     return [buffers[1] == buffers[0]]
 
 
-def test_three_consecutive_async_checkpoints(tmp_path):
+def test_three_consecutive_async_checkpoints_with_a_fresh_strategy_each(tmp_path):
     for reused in run_ranks(2, _three_in_a_row, str(tmp_path)):
         assert reused == [True]
 
@@ -108,14 +108,12 @@ def test_three_consecutive_async_checkpoints(tmp_path):
 def _background_write_fails(rank: int, world: int, root: str) -> str:
     sd, good, strategy, queue = start_first_save(rank, world, f"{root}/good")
     queue.close()
-    if rank == 1:  # the forked writer inherits the limit: its writes fail with EFBIG
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
-    queue.schedule(async_save(sd, f"{root}/bad", strategy))
+    request = async_save(sd, f"{root}/bad", strategy)
+    if rank == 1:  # the writer process cannot replace a directory by its data file: its write fails
+        os.mkdir(f"{root}/bad/fastpersist_r00001.bin")
+    queue.schedule(request)
     with pytest.raises(SaveFailedError) as info:
         queue.maybe_finalize(blocking=True)
-    if rank == 1:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert queue.pending == 0
     load_and_compare(sd, good, f"{root}/good")  # the previous checkpoint is untouched
     return str(info.value)
@@ -130,19 +128,21 @@ def test_background_write_error_surfaces_at_finalize_on_all_ranks(tmp_path):
 
 
 def _megatron_queue(rank: int, world: int, root: str) -> None:
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
     sd = state(rank, world)
-    before = snapshot(sd)
-    queue = AsyncCallsQueue()
-    queue.schedule_async_request(async_save(sd, f"{root}/m", native_strategy()))
-    mutate(sd, 0)
-    queue.maybe_finalize_async_calls(blocking=True)
-    load_and_compare(sd, before, f"{root}/m")
+    queue = megatron_async_queue()
+    expected = []
+    with torch_dist_cpu_shims():  # its temporal caller calls torch.cuda unconditionally
+        for step in range(2):  # a fresh strategy per save; the second save starts before the first is finalized
+            expected.append(snapshot(sd))
+            queue.schedule_async_request(async_save(sd, f"{root}/m{step}", native_strategy()))
+            mutate(sd, step)
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+    for step in range(2):
+        load_and_compare(sd, expected[step], f"{root}/m{step}")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron 0.16's AsyncCallsQueue calls torch.cuda unconditionally")
-def test_megatron_async_calls_queue(tmp_path):
+def test_megatron_async_calls_queue_forks_the_caller_and_our_writer_writes(tmp_path):
     run_ranks(2, _megatron_queue, str(tmp_path))
 
 

@@ -55,6 +55,7 @@ from fastpersist_dist.format import (
 from fastpersist_dist.storage.deepspeed_ops import aio_module, ensure_fast_file_writer_usable
 from fastpersist_dist.storage.writer import WriteItem, confirm_on_disk, write_rank_file
 from fastpersist_dist.verify import verify_checkpoint
+from fastpersist_dist.writer_process import writer_client
 
 from .helpers import (
     ASYNC_KW,
@@ -72,6 +73,7 @@ from .multiproc import run_ranks
 logger = logging.getLogger(__name__)
 
 BIG = (2048, 4096)  # float32: 16 MiB per rank of 2
+HUGE = (16384, 8192)  # float32: 256 MiB per rank of 2
 SMALL = (64, 256)
 KILL_AT = 4 * MiB  # a victim dies when its data file reaches this size
 DEAD_PEER = "a rank died or timed out"
@@ -313,14 +315,20 @@ def test_overwrite_killed_half_way_is_refused_not_mixed(tmp_path):
 def _async_writer_killed(rank: int, world: int, root: str) -> tuple[Raised, None]:
     strategy, queue = native_strategy(), AsyncSaveQueue()
     make_dir(f"{root}/new")
-    request = dist_checkpointing.save(_sd("w", BIG, rank, world, 2), f"{root}/new",
-                                      sharded_strategy=strategy, async_sharded_save=True, **ASYNC_KW)
-    if rank == 1:
-        _die_at_file_size(KILL_AT)  # inherited by the forked writer only: restored here at once
-    queue.schedule(request)
-    _live_again()
+    big = {"w": sharded("w", torch.ones(HUGE), rank, world, 0)}  # long enough a write to stop it in the middle
+    queue.schedule(dist_checkpointing.save(big, f"{root}/new", sharded_strategy=strategy, async_sharded_save=True,
+                                           **ASYNC_KW))
+    if rank == 1:  # SIGKILL the writer process mid-write (e.g. the OOM killer)
+        writer, data = writer_client().pid, f"{root}/new/{data_file_name(rank)}"
+        while not os.path.exists(data):
+            time.sleep(0.001)
+        os.kill(writer, signal.SIGSTOP)
+        written = os.path.getsize(data)
+        assert written < HUGE[0] * HUGE[1] * 4 // world and not os.path.exists(f"{root}/new/{status_file_name(1)}"), \
+            f"the writer finished ({written} bytes) before it could be stopped mid-write"
+        os.kill(writer, signal.SIGKILL)
     error = _save_error(lambda: queue.maybe_finalize(blocking=True))
-    make_dir(f"{root}/again")  # the trainers survived: the next save works
+    make_dir(f"{root}/again")  # the trainers survived: the next save works (rank 1 with a new writer)
     queue.schedule(dist_checkpointing.save(_sd("w", BIG, rank, world, 3), f"{root}/again",
                                            sharded_strategy=strategy, async_sharded_save=True, **ASYNC_KW))
     queue.close()
@@ -335,7 +343,8 @@ def test_async_writer_killed_fails_on_every_rank_and_the_next_save_works(tmp_pat
         assert o.kind == "ok", o.value
         e = o.value[0]
         assert e.kind == "SaveFailedError" and "was NOT saved" in e.message, e
-        assert f"rank 1: the writer of {os.path.join(new, data_file_name(1))} left no readable status" in e.message, e
+        assert (f"rank 1: the writer process" in e.message and
+                f"of {os.path.join(new, data_file_name(1))} died before it finished" in e.message), e
     assert _files(new) == [], "a failed save removes its data files"
     run_ranks(2, _load_and_verify, f"{root}/again", "w", BIG, 3)
 
@@ -346,13 +355,13 @@ def _trainer_killed(rank: int, world: int, root: str, pid_file: str) -> Raised:
     queue.schedule(dist_checkpointing.save(_sd("w", BIG, rank, world, 2), f"{root}/new",
                                            sharded_strategy=native_strategy(), async_sharded_save=True, **ASYNC_KW))
     if rank == 1:
-        (writer,) = mp.active_children()
+        writer = writer_client().pid
         data = f"{root}/new/{data_file_name(rank)}"
         while not os.path.exists(data):  # the writer opens its file after arming its parent-death signal
             time.sleep(0.01)
-        os.kill(writer.pid, signal.SIGSTOP)  # certainly still in progress when its trainer dies
+        os.kill(writer, signal.SIGSTOP)  # certainly still in progress when its trainer dies
         with open(pid_file, "w") as f:
-            f.write(str(writer.pid))
+            f.write(str(writer))
         os.kill(os.getpid(), signal.SIGKILL)
     return _save_error(lambda: queue.maybe_finalize(blocking=True))
 

@@ -101,14 +101,17 @@ def _unbalanced_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
 
 
 @lru_cache(maxsize=None)
-def _async_tools(config: WriteConfig) -> tuple[FastPersistSaveStrategy, AsyncSaveQueue]:
-    """One strategy per process, so its snapshot buffer and plan are reused across saves, as in training."""
-    return FastPersistSaveStrategy("fastpersist", config=config), AsyncSaveQueue()
+def _async_queue() -> AsyncSaveQueue:
+    """One queue per process, as in training."""
+    return AsyncSaveQueue()
 
 
 def _fastpersist_async_save(sd: dict, ckpt: str, config: WriteConfig) -> float:
-    """Async save until durable; returns how long the call blocked the caller."""
-    strategy, queue = _async_tools(config)
+    """Async save with a fresh strategy (its buffer, plan and writer are the process's) until durable.
+
+    Returns how long the call blocked the caller.
+    """
+    queue, strategy = _async_queue(), FastPersistSaveStrategy("fastpersist", config=config)
     start = time.perf_counter()
     queue.schedule(dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True,
                                            **compat.ASYNC_SAVE_KWARGS))

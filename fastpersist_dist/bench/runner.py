@@ -36,6 +36,7 @@ from ..checkpoint_formats import BY_CONTAINER
 from ..format import INDEX_FILE
 from ..storage.deepspeed_ops import aio_resources
 from ..storage.writer import preload_ops
+from ..writer_process import writer_client
 from .baselines import CONTENDERS, DEFAULT_CONTENDERS, DEVICE_BOUND, SHIM_NOTE
 from .gpt_state import GptShape, gpt_sharded_state_dict
 
@@ -111,65 +112,66 @@ def _bytes_per_rank(ckpt: str) -> list[int]:
     return [index.files.get(fmt.data_file(r), 0) for r in range(index.world_size)]
 
 
-def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
+def init_rank(rank: int, world: int, port: int) -> torch.device:
+    """Join the benchmark's process group (NCCL on GPUs, else gloo); the device the rank's state lives on."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its SSD-endurance warning on every aio write
-    try:
-        gpu = torch.cuda.is_available()  # first CUDA call of this (forked) rank: the parent made none
-        if gpu:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=cfg.ranks,
-                                timeout=datetime.timedelta(minutes=30))
-        shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
-        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
-        sd = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, device=device)
-        resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True, device=device)
-        preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
-        aio_resources(cfg.write.aio)
-        display = progress.ProgressLine(sys.stderr)  # rank 0's bytes (its writer's and its reads)
-        if rank == 0:
-            progress.install(display)
-        results = []
-        for name in cfg.contenders:
-            contender = CONTENDERS[name]
-            res = Result(name)
-            loads = [(res.load_s, sd)] + ([(res.reshard_s, resharded)] if contender.reshards else [])
-            loads = loads if cfg.loads else []
-            for rep in range(cfg.reps):
-                ckpt = os.path.join(cfg.directory, f"{name}-{rep}")
+    gpu = torch.cuda.is_available()  # first CUDA call of this (forked) rank: the parent made none
+    if gpu:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=30))
+    return torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+
+
+def _rank_main(rank: int, cfg: BenchConfig, port: int) -> tuple[GptShape, list[Result]]:
+    device = init_rank(rank, cfg.ranks, port)
+    shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
+    sd = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, device=device)
+    resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True, device=device)
+    preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
+    aio_resources(cfg.write.aio)
+    if "fastpersist_async" in cfg.contenders:  # and its writer process, as a trainer starts it (load_ops)
+        writer_client().wait_ready()
+    display = progress.ProgressLine(sys.stderr)  # rank 0's bytes (its writer's and its reads)
+    if rank == 0:
+        progress.install(display)
+    results = []
+    for name in cfg.contenders:
+        contender = CONTENDERS[name]
+        res = Result(name)
+        loads = [(res.load_s, sd)] + ([(res.reshard_s, resharded)] if contender.reshards else [])
+        loads = loads if cfg.loads else []
+        for rep in range(cfg.reps):
+            ckpt = os.path.join(cfg.directory, f"{name}-{rep}")
+            if rank == 0:
+                shutil.rmtree(ckpt, ignore_errors=True)
+                os.makedirs(ckpt)
+            blocked: list = []
+            display.label = f"bench: {name} {rep + 1}/{cfg.reps} save"
+            res.save_s.append(_timed(lambda: blocked.append(contender.save(sd, ckpt, cfg.write))))
+            if blocked[0] is not None:
+                res.blocking_s.append(_max_over_ranks(blocked[0]))
+            if rep == cfg.reps - 1:
+                res.bytes_per_rank = _bytes_per_rank(ckpt)
+            for times, expected in loads:
                 if rank == 0:
+                    drop_page_cache(ckpt)
+                template = {k: _blank(v) for k, v in expected.items()}
+                display.label = f"bench: {name} {rep + 1}/{cfg.reps} {'load' if expected is sd else 'reshard'}"
+                holder: dict = {}
+                times.append(_timed(lambda: holder.update(contender.load(template, ckpt, cfg.write))))
+                _check(name, holder, expected)
+            dist.barrier()
+            if rank == 0:
+                display.clear()
+                timings = ", ".join(f"{op} {t[-1]:.2f} s" for op, t in
+                                    (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s)) if t)
+                print(f"bench: {name} {rep + 1}/{cfg.reps}: {timings}", file=sys.stderr, flush=True)
+                if not (cfg.keep and rep == cfg.reps - 1):
                     shutil.rmtree(ckpt, ignore_errors=True)
-                    os.makedirs(ckpt)
-                blocked: list = []
-                display.label = f"bench: {name} {rep + 1}/{cfg.reps} save"
-                res.save_s.append(_timed(lambda: blocked.append(contender.save(sd, ckpt, cfg.write))))
-                if blocked[0] is not None:
-                    res.blocking_s.append(_max_over_ranks(blocked[0]))
-                if rep == cfg.reps - 1:
-                    res.bytes_per_rank = _bytes_per_rank(ckpt)
-                for times, expected in loads:
-                    if rank == 0:
-                        drop_page_cache(ckpt)
-                    template = {k: _blank(v) for k, v in expected.items()}
-                    display.label = f"bench: {name} {rep + 1}/{cfg.reps} {'load' if expected is sd else 'reshard'}"
-                    holder: dict = {}
-                    times.append(_timed(lambda: holder.update(contender.load(template, ckpt, cfg.write))))
-                    _check(name, holder, expected)
-                dist.barrier()
-                if rank == 0:
-                    display.clear()
-                    timings = ", ".join(f"{op} {t[-1]:.2f} s" for op, t in
-                                        (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s)) if t)
-                    print(f"bench: {name} {rep + 1}/{cfg.reps}: {timings}", file=sys.stderr, flush=True)
-                    if not (cfg.keep and rep == cfg.reps - 1):
-                        shutil.rmtree(ckpt, ignore_errors=True)
-            results.append(res)
-        queue.put((rank, True, (shape, results)))
-    except BaseException:  # noqa: BLE001 - shown to the user by the parent
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        results.append(res)
+    return shape, results
 
 
 def _blank(sh: Any) -> Any:
@@ -181,20 +183,27 @@ def _blank(sh: Any) -> Any:
     )
 
 
-def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
-    """Run the benchmark on ``cfg.ranks`` forked ranks; return the report as a dict."""
-    os.makedirs(cfg.directory, exist_ok=True)
+def _rank_entry(rank: int, target: Callable[..., Any], args: tuple, port: int, queue: Any) -> None:
+    try:
+        queue.put((rank, True, target(rank, *args, port)))
+    except BaseException:  # noqa: BLE001 - shown to the user by the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def on_ranks(ranks: int, target: Callable[..., Any], *args: Any) -> list[Any]:
+    """Fork ``ranks`` processes running ``target(rank, *args, port)``; their return values by rank.
+
+    Raises with every failed rank's traceback.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, cfg, port, queue)) for r in range(cfg.ranks)]
-    shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
-    progress(
-        f"bench: {cfg.ranks} ranks (TP={cfg.tp}), GPT state hidden={shape.hidden} layers={shape.layers} "
-        f"{shape.total_bytes() / GiB:.2f} GiB, {cfg.reps} reps of {', '.join(cfg.contenders)} in {cfg.directory}"
-    )
+    procs = [ctx.Process(target=_rank_entry, args=(r, target, args, port, queue)) for r in range(ranks)]
     for p in procs:
         p.start()
     outcomes = {}
@@ -206,7 +215,18 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
     failed = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
     if failed:
         raise RuntimeError("benchmark failed:\n" + "\n".join(failed))
-    shape, results = outcomes[0][1]
+    return [outcomes[r][1] for r in range(ranks)]
+
+
+def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
+    """Run the benchmark on ``cfg.ranks`` forked ranks; return the report as a dict."""
+    os.makedirs(cfg.directory, exist_ok=True)
+    shape = GptShape.for_bytes(int(cfg.gib * GiB), cfg.tp)
+    progress(
+        f"bench: {cfg.ranks} ranks (TP={cfg.tp}), GPT state hidden={shape.hidden} layers={shape.layers} "
+        f"{shape.total_bytes() / GiB:.2f} GiB, {cfg.reps} reps of {', '.join(cfg.contenders)} in {cfg.directory}"
+    )
+    shape, results = on_ranks(cfg.ranks, _rank_main, cfg)[0]
     return report(cfg, shape, results)
 
 

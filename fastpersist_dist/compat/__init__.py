@@ -30,6 +30,7 @@ ASYNC_SAVE_KWARGS = _adapter.ASYNC_SAVE_KWARGS
 SaveStrategyBase = _adapter.SaveStrategyBase
 LoadStrategyBase = _adapter.LoadStrategyBase
 request_type = _adapter.request_type
+megatron_async_queue = _adapter.megatron_async_queue
 common_files = _adapter.common_files
 stock_load = _adapter.stock_load
 register = _adapter.register
@@ -43,6 +44,7 @@ __all__ = [
     "SaveStrategyBase",
     "TRAINING_STRATEGY_SEAMS",
     "common_files",
+    "megatron_async_queue",
     "request_type",
     "register",
     "stock_load",

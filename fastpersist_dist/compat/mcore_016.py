@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -34,6 +34,11 @@ TRAINING_STRATEGY_SEAMS = ("get_default_save_sharded_strategy", "get_default_loa
 def request_type(async_strategy: Optional[str]) -> Callable[[Callable[..., None], tuple, list], AsyncRequest]:
     """How to make the request megatron's (and our) async queue runs; 0.16 has one kind of queue."""
     return AsyncRequest
+
+
+def megatron_async_queue() -> AsyncCallsQueue:
+    """megatron's own queue of async requests (its temporal caller forks a process per request)."""
+    return AsyncCallsQueue()
 
 
 def common_files(sharded_state_dict: dict, rank: int, write_common_pt: bool) -> dict[str, bytes]:

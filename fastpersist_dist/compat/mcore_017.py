@@ -52,6 +52,11 @@ def request_type(async_strategy: Optional[str]) -> Callable[[Callable[..., None]
     return get_async_strategy(async_strategy or "mcore", "AsyncRequest")[1]
 
 
+def megatron_async_queue() -> Any:
+    """megatron's own queue for ``async_strategy="mcore"`` (``AsyncCallsQueue``)."""
+    return get_async_strategy("mcore", "AsyncCallsQueue")[1]()
+
+
 def common_files(sharded_state_dict: dict, rank: int, write_common_pt: bool) -> dict[str, bytes]:
     """``common.pt`` (rank 0, when asked) holding the common state, as megatron-core <= 0.16 wrote it."""
     common = sharded_state_dict.get(COMMON_STATE_KEY)

@@ -61,11 +61,11 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         self._engine = SaveEngine(self.config, fmt, parallel_group)
 
     def load_ops(self) -> None:
-        """Load DeepSpeed's native ops in this process now (seconds, once per process).
+        """Load DeepSpeed's native ops and start this rank's writer process now (seconds, once per process).
 
-        ``async_save`` does it before returning, so the first async save of a
-        process blocks that much longer; call this at start-up to move the cost
-        out of the first checkpoint.
+        Call it at start-up: otherwise the first synchronous save loads the ops,
+        and the first async save starts the writer process (without blocking,
+        but it becomes durable that much later).
         """
         self._engine.load_ops()
 

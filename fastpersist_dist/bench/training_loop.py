@@ -1,0 +1,380 @@
+"""What asynchronous checkpoints cost a training loop: ours against megatron's torch_dist async.
+
+Each rank runs a loop that rewrites its whole GPT-shaped state in place every
+step (``mul_`` + ``add_`` over every tensor: memory-bound, like an optimizer
+step) and checkpoints asynchronously every K steps into a fresh directory,
+finalizing without blocking at every step, as a trainer does. The loop's time
+is compared with the same loop without checkpoints, in the same run
+(repetitions interleaved). Also measured: how long each save call blocked,
+against a synchronous save of the same state by the same backend; the time from
+the call until the checkpoint was committed (seen at the next step's finalize,
+so with one step's resolution); and the extra host memory of the rank (its
+processes' memory above what the rank held before any checkpoint, sampled at
+every step, from the first repetition).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from .. import compat
+from ..async_queue import AsyncSaveQueue
+from ..commit import prepare_checkpoint_dir
+from ..strategies.fastpersist_save import FastPersistSaveStrategy
+from ..writer_process import writer_client
+from .baselines import SHIM_NOTE, torch_dist_cpu_shims
+from .gpt_state import GptShape, gpt_sharded_state_dict
+from .runner import GiB, BenchConfig, _max_over_ranks, init_rank, on_ranks
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The loop: ``steps`` steps, an async checkpoint every ``every`` steps (not at the last one)."""
+
+    bench: BenchConfig
+    steps: int = 30
+    every: int = 10
+
+    @property
+    def save_steps(self) -> list[int]:
+        return [s for s in range(1, self.steps) if s % self.every == 0]
+
+
+class _Checkpointer:
+    """One way to checkpoint asynchronously: the save call, a non-blocking finalize, a synchronous save."""
+
+    checkpoints = True
+    uses_writer = False  # whether the rank's persistent writer process counts towards this one's memory
+
+    def shims(self) -> ContextManager[Any]:
+        return nullcontext()
+
+    def save(self, sd: dict, ckpt: str) -> None:
+        raise NotImplementedError
+
+    def finalize(self, blocking: bool) -> int:
+        """Finalize what is done (collective); how many saves were finalized."""
+        return 0
+
+    def sync_save(self, sd: dict, ckpt: str) -> None:
+        raise NotImplementedError
+
+
+class _None(_Checkpointer):
+    """The reference loop: no checkpoints."""
+
+    checkpoints = False
+
+
+class _Ours(_Checkpointer):
+    """``save(..., sharded_strategy=FastPersistSaveStrategy(), async_sharded_save=True)``, a fresh strategy each."""
+
+    uses_writer = True
+
+    def __init__(self, cfg: BenchConfig, megatron_queue: bool):
+        self._write = cfg.write
+        self._megatron = megatron_queue
+        self._queue: Any = compat.megatron_async_queue() if megatron_queue else AsyncSaveQueue()
+
+    def shims(self) -> ContextManager[Any]:
+        return torch_dist_cpu_shims() if self._megatron else nullcontext()
+
+    def save(self, sd: dict, ckpt: str) -> None:
+        request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(config=self._write),
+                                          async_sharded_save=True, **compat.ASYNC_SAVE_KWARGS)
+        if self._megatron:
+            self._queue.schedule_async_request(request)
+        else:
+            self._queue.schedule(request)
+
+    def finalize(self, blocking: bool) -> int:
+        if self._megatron:
+            return len(self._queue.maybe_finalize_async_calls(blocking=blocking))
+        return len(self._queue.maybe_finalize(blocking=blocking))
+
+    def sync_save(self, sd: dict, ckpt: str) -> None:
+        dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(config=self._write))
+
+
+class _TorchDist(_Checkpointer):
+    """megatron's torch_dist async save on megatron's own AsyncCallsQueue (fork, copy-on-write)."""
+
+    def __init__(self, cfg: BenchConfig):
+        self._queue = compat.megatron_async_queue()
+
+    def shims(self) -> ContextManager[Any]:
+        return torch_dist_cpu_shims()
+
+    def save(self, sd: dict, ckpt: str) -> None:
+        request = dist_checkpointing.save(sd, ckpt, sharded_strategy=("torch_dist", 1), async_sharded_save=True,
+                                          **compat.ASYNC_SAVE_KWARGS)
+        self._queue.schedule_async_request(request)
+
+    def finalize(self, blocking: bool) -> int:
+        return len(self._queue.maybe_finalize_async_calls(blocking=blocking))
+
+    def sync_save(self, sd: dict, ckpt: str) -> None:
+        dist_checkpointing.save(sd, ckpt, sharded_strategy=("torch_dist", 1))
+
+
+CHECKPOINTERS: dict[str, Callable[[BenchConfig], _Checkpointer]] = {
+    "none": lambda cfg: _None(),
+    "torch_dist": _TorchDist,
+    "fastpersist_megatron_queue": lambda cfg: _Ours(cfg, megatron_queue=True),
+    "fastpersist": lambda cfg: _Ours(cfg, megatron_queue=False),
+}
+WHAT = {
+    "none": "no checkpoints (the reference loop)",
+    "torch_dist": "megatron torch_dist async on megatron's AsyncCallsQueue (forks a caller per save)",
+    "fastpersist_megatron_queue": "FastPersistSaveStrategy() per save on megatron's AsyncCallsQueue (forks a caller "
+                                  "per save: copy-on-write while it writes)",
+    "fastpersist": "FastPersistSaveStrategy() per save on AsyncSaveQueue (a thread per save; the rank's writer "
+                   "process writes)",
+}
+# torch_dist before ours: memory is taken from the first repetition, before our snapshot buffer exists
+DEFAULT_LOOP_CONTENDERS = ("none", "torch_dist", "fastpersist_megatron_queue", "fastpersist")
+
+
+@dataclass
+class LoopRun:
+    """One repetition of one contender on one rank (seconds; bytes)."""
+
+    loop_s: float = 0.0
+    calls_s: list[float] = field(default_factory=list)
+    durable_s: list[float] = field(default_factory=list)
+    drain_s: float = 0.0
+    sync_s: float = 0.0
+    extra_bytes: int = 0
+
+
+# ----------------------------------------------------------------------------- host memory
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for child in children:
+            out += [child] + _descendants(child)
+    return out
+
+
+def _memory(pid: int, field_names: tuple[str, ...]) -> int:
+    """Sum of ``field_names`` (kB) in ``/proc/pid/smaps_rollup``, in bytes; 0 if the process is gone."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in field_names:
+                    total += int(rest.split()[0]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0
+    return total
+
+
+def host_memory(include_writer: bool) -> int:
+    """Bytes of host memory held by this rank: its resident set plus its children's private pages.
+
+    A forked child's private pages are the ones the trainer modified since the
+    fork (copy-on-write keeps the old copy for the child); shared memory mapped
+    by both (our snapshot buffer) is counted once, in the trainer.
+    """
+    writer = writer_client().pid
+    children = [p for p in _descendants(os.getpid()) if include_writer or p != writer]
+    return _memory(os.getpid(), ("Rss",)) + sum(_memory(p, ("Private_Clean", "Private_Dirty")) for p in children)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train_step(tensors: list[torch.Tensor]) -> None:
+    """Rewrite every element in place: two memory-bound passes, like an optimizer step."""
+    for t in tensors:
+        t.mul_(0.999).add_(1e-3)
+
+
+def _remove(path: str) -> None:
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], cfg: LoopConfig, root: str,
+             baseline: int, sample_memory: bool) -> LoopRun:
+    """The loop with ``cp``'s checkpoints; times are this rank's."""
+    run, pending = LoopRun(), []
+    peak = 0
+    with cp.shims():
+        for step in range(1, cfg.steps + 1):
+            start = time.perf_counter()
+            train_step(tensors)
+            if cp.checkpoints and step in cfg.save_steps:
+                ckpt = os.path.join(root, f"step{step}")
+                prepare_checkpoint_dir(ckpt)
+                call = time.perf_counter()
+                cp.save(sd, ckpt)
+                run.calls_s.append(time.perf_counter() - call)
+                pending.append(call)
+            for _ in range(cp.finalize(blocking=False)):
+                run.durable_s.append(time.perf_counter() - pending.pop(0))
+            run.loop_s += time.perf_counter() - start
+            if sample_memory:
+                peak = max(peak, host_memory(cp.uses_writer) - baseline)
+        start = time.perf_counter()
+        for _ in range(cp.finalize(blocking=True)):
+            run.durable_s.append(time.perf_counter() - pending.pop(0))
+        run.drain_s = time.perf_counter() - start
+        if cp.checkpoints and cfg.save_steps:
+            ckpt = os.path.join(root, "sync")
+            prepare_checkpoint_dir(ckpt)
+            start = time.perf_counter()
+            cp.sync_save(sd, ckpt)
+            run.sync_s = time.perf_counter() - start
+    run.extra_bytes = peak
+    return run
+
+
+def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: int) -> tuple[int, dict]:
+    b = cfg.bench
+    device = init_rank(rank, b.ranks, port)
+    shape = GptShape.for_bytes(int(b.gib * GiB), b.tp)
+    sd = gpt_sharded_state_dict(shape, b.tp, rank, b.ranks, device=device)
+    tensors = [sh.data for sh in sd.values()]
+    train_step(tensors)  # every page touched once: the baseline holds the whole state
+    baseline = host_memory(include_writer=False)
+    FastPersistSaveStrategy(config=b.write).load_ops()  # at start-up, as docs/async.md advises
+    checkpointers = {name: CHECKPOINTERS[name](b) for name in contenders}
+    runs: dict[str, list[LoopRun]] = {name: [] for name in contenders}
+    for rep in range(b.reps):
+        for name, cp in checkpointers.items():
+            root = os.path.join(b.directory, f"train-{name}-{rep}")
+            if rank == 0:
+                shutil.rmtree(root, ignore_errors=True)
+                os.makedirs(root)
+            dist.barrier()
+            run = run_loop(cp, sd, tensors, cfg, root, baseline, sample_memory=rep == 0)
+            dist.barrier()
+            _remove(root)
+            runs[name].append(_over_ranks(run))
+            if rank == 0:
+                print(f"bench-train: {name} {rep + 1}/{b.reps}: loop {runs[name][-1].loop_s:.2f} s",
+                      file=sys.stderr, flush=True)
+    return shape.total_bytes(), runs
+
+
+def _over_ranks(run: LoopRun) -> LoopRun:
+    """The slowest rank's figures (memory: the largest)."""
+    return LoopRun(
+        loop_s=_max_over_ranks(run.loop_s), calls_s=[_max_over_ranks(c) for c in run.calls_s],
+        durable_s=[_max_over_ranks(d) for d in run.durable_s], drain_s=_max_over_ranks(run.drain_s),
+        sync_s=_max_over_ranks(run.sync_s), extra_bytes=int(_max_over_ranks(float(run.extra_bytes))),
+    )
+
+
+def run(cfg: LoopConfig, contenders: tuple[str, ...] = DEFAULT_LOOP_CONTENDERS,
+        progress: Callable[[str], None] = print) -> dict:
+    """Run the loop benchmark on forked ranks; the report as a dict."""
+    b = cfg.bench
+    os.makedirs(b.directory, exist_ok=True)
+    shape = GptShape.for_bytes(int(b.gib * GiB), b.tp)
+    progress(f"bench-train: {b.ranks} ranks (TP={b.tp}), {shape.total_bytes() / GiB:.2f} GiB state, {cfg.steps} "
+             f"steps, async checkpoint at steps {cfg.save_steps}, {b.reps} reps of {', '.join(contenders)} "
+             f"in {b.directory}")
+    nbytes, runs = on_ranks(b.ranks, _rank_main, cfg, contenders)[0]
+    return report(cfg, nbytes, runs)
+
+
+def _med(values: list[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]]) -> dict:
+    """Medians over repetitions of the slowest rank's figures, and the slowdown against the plain loop."""
+    reference = _med([r.loop_s for r in runs["none"]]) if "none" in runs else None
+    rows = []
+    for name, reps in runs.items():
+        loop = _med([r.loop_s for r in reps])
+        later = [c for r in reps for c in r.calls_s][1:]  # the first call of the process apart
+        sync = _med([r.sync_s for r in reps if r.sync_s])
+        row: dict[str, Any] = {"name": name, "what": WHAT[name], "loop_s": loop,
+                               "loop_min_s": min(r.loop_s for r in reps),
+                               "loop_max_s": max(r.loop_s for r in reps)}
+        if reference and name != "none":
+            saves = len(cfg.save_steps)
+            row.update(
+                slowdown_pct=100 * (loop / reference - 1), lost_per_save_s=(loop - reference) / max(saves, 1),
+                first_call_s=reps[0].calls_s[0] if reps[0].calls_s else None, call_s=_med(later), sync_s=sync,
+                durable_s=_med([d for r in reps for d in r.durable_s]), drain_s=_med([r.drain_s for r in reps]),
+                extra_gib=reps[0].extra_bytes / GiB,
+            )
+            if sync:
+                row["first_call_pct"] = 100 * row["first_call_s"] / sync if row["first_call_s"] else None
+                row["call_pct"] = 100 * row["call_s"] / sync if row["call_s"] is not None else None
+                row["durable_x_sync"] = row["durable_s"] / sync if row["durable_s"] else None
+        rows.append(row)
+    notes = [] if torch.cuda.is_available() else [SHIM_NOTE]
+    return {"ranks": cfg.bench.ranks, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
+            "save_steps": cfg.save_steps, "reps": cfg.bench.reps, "directory": cfg.bench.directory,
+            "rows": rows, "notes": notes}
+
+
+def _f(value: Optional[float], fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_loop_table(rep: dict) -> str:
+    """The report as a text table."""
+    lines = [
+        f"training loop: {rep['ranks']} ranks, TP={rep['tp']}, {rep['bytes'] / GiB:.2f} GiB state rewritten in place "
+        f"every step, {rep['steps']} steps, async checkpoints at steps {rep['save_steps']} into {rep['directory']}; "
+        f"median of {rep['reps']} (slowest rank); 'call' = the save call blocking the loop, first of the process "
+        f"apart; 'sync' = a synchronous save of the same state by the same backend; 'durable' = call to commit, "
+        f"seen by the next step's finalize",
+        f"{'contender':<28}{'loop s':>16}{'slowdown':>10}{'lost/ckpt s':>12}{'1st call s':>11}{'call s':>8}"
+        f"{'sync s':>8}{'call/sync':>10}{'durable s':>10}{'dur/sync':>9}{'extra GiB/rank':>15}",
+    ]
+    for r in rep["rows"]:
+        loop = f"{r['loop_s']:.2f} ({r['loop_min_s']:.2f}..{r['loop_max_s']:.2f})"
+        if "slowdown_pct" not in r:
+            lines.append(f"{r['name']:<28}{loop:>16}")
+            continue
+        lines.append(
+            f"{r['name']:<28}{loop:>16}{_f(r['slowdown_pct'], '.1f') + '%':>10}{_f(r['lost_per_save_s'], '.2f'):>12}"
+            f"{_f(r['first_call_s'], '.3f'):>11}{_f(r['call_s'], '.3f'):>8}{_f(r['sync_s'], '.2f'):>8}"
+            f"{_f(r.get('call_pct'), '.0f') + '%':>10}{_f(r['durable_s'], '.2f'):>10}"
+            f"{_f(r.get('durable_x_sync'), '.2f') + 'x':>9}{_f(r['extra_gib'], '.2f'):>15}"
+        )
+    lines.extend(f"  {r['name']}: {r['what']}" for r in rep["rows"])
+    lines.extend(f"note: {n}" for n in rep["notes"])
+    return "\n".join(lines)
+
+
+def main_train(bench: BenchConfig, steps: int, every: int, contenders: Optional[str]) -> int:
+    """``fastpersist-dist bench-train``: run and print the table; 2 on bad arguments."""
+    names = tuple(contenders.split(",")) if contenders else DEFAULT_LOOP_CONTENDERS
+    unknown = set(names) - set(CHECKPOINTERS)
+    if unknown or "none" not in names or every >= steps:
+        print(f"bench-train: contenders must include 'none' and be among {sorted(CHECKPOINTERS)} "
+              f"(unknown: {sorted(unknown)}); --every must be below --steps", file=sys.stderr)
+        return 2
+    print(format_loop_table(run(LoopConfig(bench, steps, every), names, progress=lambda m: print(m, file=sys.stderr))))
+    return 0
