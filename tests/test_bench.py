@@ -88,6 +88,6 @@ def test_training_loop_benchmark_tiny(tmp_path):
 
 def test_bench_train_rejects_bad_arguments():
     for args in (["--contenders", "fastpersist"], ["--steps", "3", "--every", "3"], ["--contenders", "none,nope"]):
-        proc = subprocess.run([sys.executable, "-m", "fastpersist_dist.cli", "bench-train", *args],
+        proc = subprocess.run([sys.executable, "-m", "fastpersist_dist_cli", "bench-train", *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "bench-train:" in proc.stderr, (args, proc.stderr[-2000:])
