@@ -26,6 +26,7 @@ import tempfile
 _CHILD = r"""
 import json, os, resource, sys, time
 import numpy as np, torch, xxhash
+import fastpersist_dist
 from fastpersist_dist.config import WriteConfig
 from fastpersist_dist.format import ShardRecord
 from fastpersist_dist.storage.writer import WriteItem, write_rank_file
@@ -52,7 +53,8 @@ with open(path, "rb") as f:
     while chunk := f.read(64 << 20):
         h.update(chunk)
 os.unlink(path)
-print(json.dumps({"wall": wall, "cpu": used, "file": h.hexdigest(), "bytes": size * count}))
+print(json.dumps({"wall": wall, "cpu": used, "file": h.hexdigest(), "bytes": size * count,
+                  "package": fastpersist_dist.__file__}))
 """
 
 
@@ -88,9 +90,12 @@ def main() -> int:
                 out = subprocess.run(
                     [sys.executable, "-c", _CHILD, os.path.join(args.directory, "ab.bin"), str(int(args.gib * 2**30)),
                      str(args.records)],
-                    env={**os.environ, "PYTHONPATH": paths[rev]}, capture_output=True, text=True, check=True,
+                    env={**os.environ, "PYTHONPATH": paths[rev]}, cwd=paths[rev], capture_output=True, text=True,
+                    check=True,
                 )
                 runs[rev].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                if not runs[rev][-1]["package"].startswith(paths[rev]):  # an installed copy would shadow the revision
+                    raise RuntimeError(f"{rev}: imported {runs[rev][-1]['package']}, not {paths[rev]}")
                 print(f"rep {rep + 1}/{args.reps} {rev}: {runs[rev][-1]['wall']:.2f} s", file=sys.stderr, flush=True)
     files = {r["file"] for rs in runs.values() for r in rs}
     ref = statistics.median(r["wall"] for r in runs[args.revs[0]])
