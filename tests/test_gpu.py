@@ -13,12 +13,11 @@ import sys
 import pytest
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing import ShardedTensor
 
 from fastpersist_dist import FastPersistSaveStrategy
 from fastpersist_dist.async_queue import AsyncSaveQueue
 
-from .helpers import assert_same, load, make_dir, native_strategy, save
+from .helpers import load, make_dir, native_strategy, save
 from .multiproc import run_ranks
 from .test_async import async_save, load_and_compare, mutate, snapshot, state
 
@@ -47,15 +46,8 @@ def _sync_round_trip(rank: int, world: int, root: str) -> None:
     # native format through our loader, torch_dist format through megatron's own
     for fmt, path, loader in (("fastpersist", f"{root}/native", load), ("torch_dist", f"{root}/dcp", dist_checkpointing.load)):
         save(sd, path, FastPersistSaveStrategy(fmt))
-        template = {
-            k: ShardedTensor(sh.key, torch.zeros_like(sh.data.contiguous()), sh.dtype, sh.local_shape, sh.global_shape,
-                             sh.global_offset, sh.axis_fragmentations, sh.replica_id, sh.prepend_axis_num)
-            for k, sh in sd.items()
-        }
-        loaded = loader(template, path)
-        for k in want:
-            assert loaded[k].is_cuda, (path, k)
-            assert_same(loaded[k], want[k].contiguous(), f"{path}:{k}")
+        loaded = load_and_compare(sd, want, path, loader)
+        assert all(loaded[k].is_cuda for k in want), path
 
 
 def test_gpu_tensors_saved_and_loaded_bit_exactly_in_both_formats(tmp_path):
