@@ -101,6 +101,8 @@ class _DirectSink:
         self._offset += nbytes
         self._fill = (self._fill + 1) % len(self._halves)
         self._filled = 0
+        if len(self._halves) == 1:  # single buffer: it is refilled next, so the write must be done
+            self._wait()
 
     def _wait(self) -> None:
         if self._draining:
