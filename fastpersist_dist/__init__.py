@@ -5,6 +5,7 @@ save and load strategies; 0.17+ has no registry (see ``compat``).
 """
 
 from . import compat
+from .compat import ASYNC_SAVE_KWARGS
 from .async_queue import AsyncSaveQueue
 from .commit import prepare_checkpoint_dir
 from .config import WriteConfig
@@ -18,6 +19,7 @@ if compat.REGISTRY:
     register()
 
 __all__ = [
+    "ASYNC_SAVE_KWARGS",
     "AsyncSaveQueue",
     "BACKEND",
     "BACKEND_VERSION",

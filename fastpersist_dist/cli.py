@@ -1,7 +1,7 @@
-"""The ``fastpersist-dist`` command: ``bench``, ``sweep``, ``verify``, ``inspect`` and ``build-ops``.
+"""The commands of ``fastpersist-dist``: ``bench``, ``sweep``, ``simulate``, ``verify``, ``inspect``, ``build-ops``.
 
-Exit codes: 0 success, 1 the checkpoint has problems, 2 bad arguments or an
-unusable directory.
+``fastpersist_dist_cli`` parses and checks the arguments without importing this
+package, then calls the function of the same name here (exit codes there).
 """
 
 from __future__ import annotations
@@ -9,17 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable
+
+from fastpersist_dist_cli import main
 
 if TYPE_CHECKING:
     from .bench.runner import BenchConfig
     from .config import WriteConfig
 
 
-def _build_ops(_: argparse.Namespace) -> int:
+def build_ops(_: argparse.Namespace) -> int:
+    """Build (or load) the DeepSpeed ops, saying how long it took."""
     from .storage.deepspeed_ops import aio_module, ensure_fast_file_writer_usable
 
     start = time.perf_counter()
@@ -27,18 +29,6 @@ def _build_ops(_: argparse.Namespace) -> int:
     ensure_fast_file_writer_usable()
     print(f"build-ops: DeepSpeed async_io and utils ops ready ({time.perf_counter() - start:.0f} s)")
     return 0
-
-
-def _output_path_problem(path: str, suffix: str = "") -> Optional[str]:
-    """Why a report cannot be written to ``path``; checked before a benchmark that may run for minutes."""
-    if suffix and not path.lower().endswith(suffix):
-        return f"{path} must end in {suffix}"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return f"directory {parent} of {path} does not exist"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"directory {parent} of {path} is not writable"
-    return None
 
 
 # bench flag -> WriteConfig field; unset flags keep WriteConfig's defaults (one place for each default)
@@ -57,40 +47,20 @@ def _write_config(args: argparse.Namespace) -> WriteConfig:
     return WriteConfig(**knobs)
 
 
-def _layout_problem(args: argparse.Namespace) -> Optional[str]:
-    """Why ``--ranks``/``--tp`` describe no TP x DP layout, or None."""
-    return f"--ranks ({args.ranks}) must be a multiple of --tp ({args.tp})" if args.ranks % args.tp else None
-
-
 def _bench_config(args: argparse.Namespace, **fields: Any) -> BenchConfig:
-    """The benchmark state of ``_state_args`` plus ``fields``; logging set up for the run."""
+    """The benchmark state of the state arguments plus ``fields``; logging set up for the run."""
     from .bench.runner import BenchConfig
 
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(message)s", stream=sys.stderr)
     return BenchConfig(ranks=args.ranks, tp=args.tp, gib=args.gib, reps=args.reps, directory=args.dir, **fields)
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from .bench.baselines import CONTENDERS, DEFAULT_CONTENDERS
-
-    problems: list[Optional[str]] = [_layout_problem(args)]
-    args.contenders = args.contenders or ",".join(DEFAULT_CONTENDERS)
-    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
-    if unknown:
-        problems.append(f"unknown contenders {sorted(unknown)}; known: {sorted(CONTENDERS)}")
-    if args.json:
-        problems.append(_output_path_problem(args.json))
-    if args.plot:
-        problems.append(_output_path_problem(args.plot, ".png"))
+def bench(args: argparse.Namespace) -> int:
+    """``bench``: the table on stdout, progress on stderr; JSON and chart where asked."""
     try:
         write = _write_config(args)
     except ValueError as e:
-        write = None
-        problems.append(str(e))
-    found = [p for p in problems if p]
-    for problem in found:
-        print(f"bench: {problem}", file=sys.stderr)
-    if found:
+        print(f"bench: {e}", file=sys.stderr)
         return 2
 
     from .bench import runner
@@ -109,11 +79,8 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep(args: argparse.Namespace) -> int:
-    problem = _layout_problem(args)
-    if problem:
-        print(f"sweep: {problem}", file=sys.stderr)
-        return 2
+def sweep(args: argparse.Namespace) -> int:
+    """``sweep``: the knob search."""
     from .bench.sweep import main_sweep
 
     return main_sweep(_bench_config(args))
@@ -126,14 +93,18 @@ def _examine(command: str, examine: Callable[[str], Any], directory: str) -> Any
     try:
         return examine(directory)
     except FastPersistError as e:
-        print(f"{command}: {e}", file=sys.stderr)
+        message = str(e)  # the engine's messages may already start with the command's name
+        print(message if message.startswith(f"{command}: ") else f"{command}: {message}", file=sys.stderr)
         return None
 
 
-def _verify(args: argparse.Namespace) -> int:
+def verify(args: argparse.Namespace) -> int:
+    """``verify``: every problem, then one summary line."""
+    from .progress import ProgressLine, shown
     from .verify import verify_checkpoint
 
-    report = _examine("verify", verify_checkpoint, args.directory)
+    with shown(ProgressLine(sys.stderr, "verify: checksummed")):
+        report = _examine("verify", verify_checkpoint, args.directory)
     if report is None:
         return 2
     for problem in report.problems:
@@ -147,7 +118,8 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def inspect(args: argparse.Namespace) -> int:
+    """``inspect``: the report (text or JSON); problems also on stderr."""
     from .inspect_ckpt import format_report, inspect_checkpoint
 
     report = _examine("inspect", inspect_checkpoint, args.directory)
@@ -159,74 +131,25 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def simulate(args: argparse.Namespace) -> int:
+    """``simulate``: checkpoint metadata at scale, as a table (and JSON)."""
+    from .bench import simulate as simulation
+
+    dist_opts = {"on": [True], "off": [False], "both": [True, False]}[args.dist_opt]
+    shape = {"tp": args.tp, "pp": args.pp, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab}
+    try:
+        rows = simulation.run(args.dp, dist_opts, args.world_plan_max, args.central_max, **shape)
+    except ValueError as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    print(simulation.format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _state_args(p: argparse.ArgumentParser) -> None:
-    """Ranks, parallel layout, size and repetitions of the benchmark state."""
-    p.add_argument("--ranks", type=_positive_int, default=2, help="number of ranks (default 2)")
-    p.add_argument("--tp", type=_positive_int, default=2, help="tensor-parallel size; DP = ranks / tp (default 2)")
-    p.add_argument("--gib", type=_positive_float, default=2.0, help="total state size in GiB (default 2)")
-    p.add_argument("--reps", type=_positive_int, default=3, help="repetitions per contender (default 3)")
-    p.add_argument("--dir", default="bench_out", help="target directory (default ./bench_out)")
-    p.add_argument("--log-level", choices=("WARNING", "INFO", "DEBUG"), default="WARNING",
-                   help="INFO: one summary per save and load (rank 0); DEBUG: also each rank's save profile "
-                        "(phases) and its write and load throughput")
-
-
-def parser() -> argparse.ArgumentParser:
-    """The command's argument parser."""
-    p = argparse.ArgumentParser(prog="fastpersist-dist", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="save/load a GPT-shaped state with FastPersist and the alternatives; print a table")
-    _state_args(b)
-    b.add_argument("--contenders", default=None,
-                   help="comma-separated list (default: all of device_bound, fastpersist, fastpersist_async, "
-                        "fastpersist_dcp, torch_dist, torch_dist_fully_parallel, torch_save; also "
-                        "fastpersist_unbalanced, fastpersist_dcp_fully_parallel)")
-    b.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    b.add_argument("--keep", action="store_true", help="keep the last checkpoint of each contender")
-    b.add_argument("--plot", metavar="PATH.png", help="also draw the report as a GiB/s bar chart")
-    k = b.add_argument_group("FastPersist knobs (defaults: fastpersist_dist.config.WriteConfig, see README)")
-    k.add_argument("--io-buffer-mb", type=_positive_int, help="page-locked bounce buffer per writer, MiB")
-    k.add_argument("--single-buffer", action="store_true", help="one bounce buffer instead of two halves")
-    k.add_argument("--aio-block-mb", type=_positive_int, help="aio request size, MiB")
-    k.add_argument("--aio-queue-depth", type=_positive_int, help="aio requests in flight")
-    k.add_argument("--aio-intra-op", type=_positive_int, help="aio threads per request (intra-op parallelism)")
-    k.add_argument("--direct-io", choices=("auto", "on", "off"), help="O_DIRECT+aio, with fallback (auto)")
-    k.add_argument("--no-balance", action="store_true", help="main replicas write everything (no DP split)")
-    b.set_defaults(func=_bench)
-    w = sub.add_parser("sweep", help="search the write knobs one at a time around the defaults (FastPersist save)")
-    _state_args(w)
-    w.set_defaults(func=_sweep)
-    v = sub.add_parser("verify", help="check a checkpoint completely (no torch.distributed needed)")
-    v.add_argument("directory", help="checkpoint directory")
-    v.set_defaults(func=_verify)
-    i = sub.add_parser("inspect", help="show what a checkpoint holds, from its metadata and index (reads no data)")
-    i.add_argument("directory", help="checkpoint directory")
-    i.add_argument("--json", action="store_true", help="print the report as JSON")
-    i.set_defaults(func=_inspect)
-    o = sub.add_parser("build-ops", help="build (or check) the DeepSpeed ops FastPersist uses")
-    o.set_defaults(func=_build_ops)
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point."""
-    args = parser().parse_args(argv)
-    return args.func(args)
-
+__all__ = ["bench", "build_ops", "inspect", "main", "simulate", "sweep", "verify"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -109,11 +109,12 @@ def check_target_directory(checkpoint_dir: str) -> Optional[str]:
     return None
 
 
-def gather_or_fail(local: Any, what: str) -> list[Any]:
-    """``all_gather_object``; a rank that died or timed out becomes a ``SaveFailedError`` here too."""
-    gathered: list[Any] = [None] * dist.get_world_size()
+def gather_or_fail(local: Any, what: str, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
+    """``all_gather_object`` (in ``group``, default the world); a rank that died or timed out becomes a
+    ``SaveFailedError`` here too."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
     try:
-        dist.all_gather_object(gathered, local)
+        dist.all_gather_object(gathered, local, group=group)
     except RuntimeError as e:  # torch's DistError family
         raise SaveFailedError(f"{what}; rank {dist.get_rank()}: a rank died or timed out "
                               f"before anything was written ({e})") from e
@@ -122,7 +123,7 @@ def gather_or_fail(local: Any, what: str) -> list[Any]:
 
 def raise_if(failures: list[Optional[str]], what: str) -> None:
     """Raise one ``SaveFailedError`` listing every failure, if there is any (before anything was written)."""
-    failures = [f for f in failures if f]
+    failures = list(dict.fromkeys(f for f in failures if f))  # a group's failure arrives once per member
     if failures:
         raise SaveFailedError(f"{what}; nothing was written: " + " | ".join(failures))
 

@@ -50,12 +50,13 @@ def _piece_errors(key: str, pieces: list[ShardRecord]) -> list[str]:
     return []
 
 
-def coverage_errors(records: list[ShardRecord]) -> list[str]:
+def coverage_errors(records: list[ShardRecord], complete: bool = True) -> list[str]:
     """Problems with how ``records`` cover each global tensor; empty when every element is stored once.
 
     Megatron checks regular grids itself but defers uneven shardings to the
     backend: here every tensor must be covered exactly once (volumes add up and
-    no two shards overlap) and every object shard must be unique.
+    no two shards overlap) and every object shard must be unique. Without
+    ``complete`` (one group's part of a plan) only overlaps and gaps between pieces count.
     """
     errors: list[str] = []
     shards: dict[str, dict[tuple, list[ShardRecord]]] = {}
@@ -74,11 +75,11 @@ def coverage_errors(records: list[ShardRecord]) -> list[str]:
             if len(pieces) > 1 or pieces[0].flattened_range is not None:
                 errors.extend(_piece_errors(key, pieces))
             group.append(pieces[0])
-        errors.extend(_box_errors(key, group))
+        errors.extend(_box_errors(key, group, complete))
     return errors
 
 
-def _box_errors(key: str, group: list[ShardRecord]) -> list[str]:
+def _box_errors(key: str, group: list[ShardRecord], complete: bool) -> list[str]:
     shapes = {r.global_shape for r in group}
     if len(shapes) > 1:
         return [f"tensor '{key}': ranks disagree on the global shape: {sorted(shapes)}"]
@@ -93,19 +94,35 @@ def _box_errors(key: str, group: list[ShardRecord]) -> list[str]:
             f"tensor '{key}': shards at {group[i].global_offset} and {group[j].global_offset} overlap "
             "(each element must have exactly one main replica)"
         ]
-    if have != total:
+    if complete and have != total:
         return [f"tensor '{key}': main replicas cover {have} of {total} elements (shards missing)"]
     return []
 
 
 def _first_overlap(lo: np.ndarray, hi: np.ndarray, rows: int = 256) -> Optional[tuple[int, int]]:
-    """First pair (i, j), i != j, of boxes [lo, hi) that share an element; rows chunked to bound memory."""
-    for start in range(0, len(lo), rows):
-        a_lo, a_hi = lo[start : start + rows, None], hi[start : start + rows, None]
-        hit = np.all(np.minimum(a_hi, hi[None]) > np.maximum(a_lo, lo[None]), axis=-1)
-        idx = np.arange(len(hit))
-        hit[idx, idx + start] = False
+    """First pair (i, j), i != j, of boxes [lo, hi) that share an element.
+
+    A sweep along the axis where the most boxes fit side by side (their spread
+    over their mean extent): after sorting by their start there, a box can only
+    meet those that start before it ends, so only those pairs are compared
+    (rows boxes at a time, to bound memory).
+    """
+    n = len(lo)
+    if n < 2:
+        return None
+    axis = int(np.argmax((hi.max(axis=0) - lo.min(axis=0)) / np.maximum((hi - lo).mean(axis=0), 1)))
+    order = np.argsort(lo[:, axis], kind="stable")
+    lo, hi = lo[order], hi[order]
+    ends = np.searchsorted(lo[:, axis], hi[:, axis], side="left")  # boxes after i start before i ends
+    counts = np.maximum(ends - np.arange(n) - 1, 0)
+    for start in range(0, n, rows):
+        c = counts[start : start + rows]
+        if not c.any():
+            continue
+        first = np.repeat(np.arange(start, start + len(c)), c)
+        second = first + 1 + np.arange(len(first)) - np.repeat(np.cumsum(c) - c, c)
+        hit = np.all(np.minimum(hi[first], hi[second]) > np.maximum(lo[first], lo[second]), axis=-1)
         if hit.any():
-            i, j = np.argwhere(hit)[0]
-            return int(i) + start, int(j)
+            k = int(np.argmax(hit))
+            return int(order[first[k]]), int(order[second[k]])
     return None

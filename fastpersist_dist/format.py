@@ -12,7 +12,7 @@ range and XXH3 block checksums:
   checksums cover every byte torch's own reader parses. The index is a sidecar
   of DCP's ``.metadata`` and holds that file's XXH3.
 
-The index is plain JSON (README "On-disk formats"): no pickle is needed to find, read or
+The index is plain JSON (docs/format.md): no pickle is needed to find, read or
 verify a tensor. Everything here is pure: no I/O, no ``torch.distributed``.
 """
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+from . import progress
 from .checkpoint_formats import BY_CONTAINER
 from .coverage import record_extents
 from .errors import FastPersistError
@@ -111,14 +112,17 @@ class Loader:
         """
         self.reads.sort(key=lambda r: (r[0].file, r[0].offset + r[0].data_offset + r[1].byte_start))
         reads, self.reads = self.reads, []
+        shown = progress.task("load", sum(_nbytes(read[-1]) for read in reads))
         if threads <= 1 or len(reads) < 2:
             for rec, ext, sub_off, shape, view in reads:
                 self.reader.read_box(rec, ext, sub_off, shape, view)
+                shown.add(_nbytes(view))
             return
         self.reader.open_all({rec.file for rec, *_ in reads})
         with ThreadPoolExecutor(threads, thread_name_prefix="fastpersist-read") as pool:
-            for done in [pool.submit(self.reader.read_box, *read) for read in reads]:
+            for read, done in [(read, pool.submit(self.reader.read_box, *read)) for read in reads]:
                 done.result()
+                shown.add(_nbytes(read[-1]))
 
     def load_object(self, sh: ShardedObject) -> Any:
         """Read, verify and unpickle a ShardedObject (``weights_only`` unless objects are trusted)."""
@@ -136,6 +140,10 @@ class Loader:
                 "use FastPersistLoadStrategy(trust_objects=True) or torch.serialization.add_safe_globals"
             ) from e
         return self.fmt.object_from_loaded(loaded, where)
+
+
+def _nbytes(view: torch.Tensor) -> int:
+    return view.numel() * view.element_size()
 
 
 def tensors_metadata(index: CheckpointIndex) -> dict[str, ShardedTensor]:

@@ -10,7 +10,13 @@ small shards go whole to the least-loaded holder, large ones are cut into
 the shard's first axis longer than 1, so each piece is also a box of the global
 tensor: one chunk in torch DCP's metadata. The plan depends only on its inputs,
 so every rank computes the same one. Zero-element shards hold no bytes: one
-record per (key, offset) is kept, whoever holds it, so the tensor stays known.
+record per (key, offset) is kept, by a holder of its main replica, or by any
+holder when the whole world is planned at once, so the tensor stays known.
+
+Replicas of a shard live within one data-parallel group, so each such group
+can be planned apart (``PlanCache.plan(ranks=...)``): then ``held`` lists the
+group's ranks only, shards whose main replica lies in another group are left
+to that group, and the plan balances bytes over the group's ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Optional, Sequence
 
 from megatron.core.dist_checkpointing.mapping import is_main_replica
@@ -43,41 +50,56 @@ class _Shard:
     """One stored unit (a tensor shard or an object) and the ranks holding a copy."""
 
     main_rank: Optional[int]
-    holders: dict[int, ShardRecord]  # rank -> that rank's record of the shard
-
-    @property
-    def length(self) -> int:
-        return next(iter(self.holders.values())).length
+    holders: dict[int, ShardRecord]  # rank -> that rank's record of the shard, ranks ascending
+    length: int
+    shape: tuple  # what every replica must agree on, see _shape
 
 
-def _same_shard(a: ShardRecord, b: ShardRecord) -> bool:
-    fields = ("dtype", "local_shape", "global_shape", "prepend_axis_num", "length")
-    return all(getattr(a, f) == getattr(b, f) for f in fields)
+def _shape(r: ShardRecord) -> tuple:
+    """What replicas of one shard must agree on."""
+    return r.dtype, r.local_shape, r.global_shape, r.prepend_axis_num, r.length
 
 
-def _group(held: Sequence[Sequence[ShardRecord]]) -> list[_Shard]:
-    """Every distinct shard with its holders, in a deterministic order; raises on inconsistent replicas."""
+# replica ids repeat over a rank's shards: megatron's check, memoized (group planning at 16k ranks)
+_is_main = lru_cache(maxsize=4096)(is_main_replica)
+
+
+def _group(held: Sequence[Sequence[ShardRecord]], ranks: Sequence[int], adopt_empty: bool) -> list[_Shard]:
+    """Every distinct shard with its holders (indices into ``held``), in a deterministic order.
+
+    ``ranks[i]`` names ``held[i]`` in errors. ``adopt_empty``: an empty shard
+    without a main replica here is written by its first holder (whole world
+    planned), else left to the group holding its main replica. Raises on
+    inconsistent replicas.
+    """
     shards: dict[tuple, _Shard] = {}
-    for rank, records in enumerate(held):
+    empty_main: set[tuple] = set()
+    for i, records in enumerate(held):
+        rank = ranks[i]
         for r in records:
-            s = shards.setdefault((r.kind, r.key, r.global_offset), _Shard(None, {}))
-            first = next(iter(s.holders.items()), None)
-            if first is not None and not _same_shard(first[1], r):
+            where = (r.kind, r.key, r.global_offset)
+            s = shards.get(where)
+            if s is None:
+                s = shards[where] = _Shard(None, {}, r.length, _shape(r))
+            elif _shape(r) != s.shape:
+                first = next(iter(s.holders.items()))
                 raise PlanError(
-                    f"{r.kind} '{r.key}' at global offset {r.global_offset}: rank {first[0]} and rank {rank} hold "
-                    f"replicas that disagree (dtype/shape/bytes: {first[1].dtype} {first[1].local_shape} "
-                    f"{first[1].length} vs {r.dtype} {r.local_shape} {r.length})"
+                    f"{r.kind} '{r.key}' at global offset {r.global_offset}: rank {ranks[first[0]]} and "
+                    f"rank {rank} hold replicas that disagree (dtype/shape/bytes: {first[1].dtype} "
+                    f"{first[1].local_shape} {first[1].length} vs {r.dtype} {r.local_shape} {r.length})"
                 )
-            if is_main_replica(r.replica_id) and not (r.kind == KIND_TENSOR and r.length == 0):
+            if _is_main(r.replica_id) and r.kind == KIND_TENSOR and r.length == 0:
+                empty_main.add(where)
+            elif _is_main(r.replica_id):
                 if s.main_rank is not None:
                     raise PlanError(
                         f"{r.kind} '{r.key}' at global offset {r.global_offset} is a main replica (replica_id 0) on "
-                        f"rank {s.main_rank} and on rank {rank}: each shard needs exactly one main replica"
+                        f"rank {ranks[s.main_rank]} and on rank {rank}: each shard needs exactly one main replica"
                     )
-                s.main_rank = rank
-            s.holders.setdefault(rank, r)
-    for s in shards.values():  # an empty shard has no bytes to write: any holder stands for it
-        if s.main_rank is None and next(iter(s.holders.values())).length == 0:
+                s.main_rank = i
+            s.holders.setdefault(i, r)
+    for where, s in shards.items():  # an empty shard has no bytes to write: any holder stands for it
+        if s.main_rank is None and s.length == 0 and (adopt_empty or where in empty_main):
             s.main_rank = min(s.holders)
     return [shards[k] for k in sorted(shards)]
 
@@ -122,11 +144,13 @@ def _piece(r: ShardRecord, start: int, stop: int) -> ShardRecord:
 
 
 def plan_writes(
-    held: Sequence[Sequence[ShardRecord]], balance: bool = True, unit: int = SPLIT_UNIT
+    held: Sequence[Sequence[ShardRecord]], balance: bool = True, unit: int = SPLIT_UNIT,
+    ranks: Optional[Sequence[int]] = None,
 ) -> list[list[ShardRecord]]:
     """Per rank, the records (whole shards or pieces, not yet placed in files) it writes.
 
-    ``held[r]`` lists what rank ``r`` holds. Without ``balance`` every shard is
+    ``held[i]`` lists what rank ``ranks[i]`` holds: by default the whole
+    world (``ranks[i] == i``), else one group of it. Without ``balance`` every shard is
     written whole by its main replica. With it, shards with fewer holders are
     placed first (the widely replicated ones then even out what they left),
     largest first among equals, onto the least-loaded holder. If that plan of
@@ -135,7 +159,9 @@ def plan_writes(
     :class:`PlanError` when replicas disagree or a shard has two main replicas.
     """
     world = len(held)
-    planned = [s for s in _group(held) if s.main_rank is not None]  # shards without one: reported by coverage
+    whole_world = ranks is None
+    shards = _group(held, range(world) if whole_world else ranks, whole_world)
+    planned = [s for s in shards if s.main_rank is not None]  # shards without one: reported by coverage
     if not balance:
         return _assign(planned, world, False, None, unit)
     planned.sort(key=lambda s: (len(s.holders), -s.length))  # stable: ties keep key order
@@ -155,7 +181,7 @@ def _assign(
     out: list[list[ShardRecord]] = [[] for _ in range(world)]
     for s in planned:
         main_record = s.holders[s.main_rank]
-        holders = sorted(s.holders) if balance and main_record.kind == KIND_TENSOR else [s.main_rank]
+        holders = list(s.holders) if balance and main_record.kind == KIND_TENSOR else [s.main_rank]
         if len(holders) == 1 or split_above is None or s.length <= split_above:
             rank = min(holders, key=lambda c: (load[c], c))
             out[rank].append(s.holders[rank])
@@ -197,6 +223,7 @@ class PlanCache:
     records themselves only when they changed since the previous save: a
     checkpoint every N steps sends a few bytes per rank and reuses the plan.
     Every rank updates its cache from the same gathered data, so caches agree.
+    With a group (``ranks``) the gathered data are the group's, and so is the plan.
     """
 
     def __init__(self) -> None:
@@ -217,21 +244,28 @@ class PlanCache:
         known = rank < len(self._digests) and self._digests[rank] == d
         return d, None if known else held
 
-    def plan(self, gathered: Sequence[Outgoing], balance: bool) -> list[list[ShardRecord]]:
-        """The plan for every rank's gathered :meth:`outgoing`; raises :class:`PlanError` if there is none."""
+    def plan(self, gathered: Sequence[Outgoing], balance: bool,
+             ranks: Optional[Sequence[int]] = None) -> list[list[ShardRecord]]:
+        """The plan for every rank's gathered :meth:`outgoing`; raises :class:`PlanError` if there is none.
+
+        ``gathered[i]`` comes from rank ``ranks[i]`` (default: the whole world,
+        ``i``); a group's plan holds the shards whose main replica it holds, and
+        is checked for overlaps but not for completeness (other groups hold the rest).
+        """
         digests = tuple(d for d, _ in gathered)
         if digests == self._digests and balance == self._balance:
             self.reused = True
             return self._plan
         held = []
-        for rank, (d, records) in enumerate(gathered):
+        for i, (d, records) in enumerate(gathered):
             if records is None:
-                if rank >= len(self._digests) or self._digests[rank] != d:
+                if i >= len(self._digests) or self._digests[i] != d:
+                    rank = i if ranks is None else ranks[i]
                     raise PlanError(f"rank {rank} sent no records and the plan cache does not know its digest {d}")
-                records = self._held[rank]
+                records = self._held[i]
             held.append(records)
-        plan = plan_writes(held, balance)
-        errors = coverage_errors([r for records in plan for r in records])
+        plan = plan_writes(held, balance, ranks=ranks)
+        errors = coverage_errors([r for records in plan for r in records], complete=ranks is None)
         if errors:
             raise PlanError("; ".join(errors))
         self._digests, self._held, self._balance, self._plan = digests, held, balance, plan

@@ -18,7 +18,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from .checkpoint_formats import CheckpointFormat
 from .commit import agree, check_target_directory, finalize_save, gather_or_fail, invalidate, raise_if, write_status
 from .config import WriteConfig
 from .errors import FastPersistError, SaveFailedError
+from .format import ShardRecord
 from .plan import PlanCache, PlanError, place_in_rank_file
 from .staging import SnapshotPool, StagedShard, assign, stage, to_host_bytes
 from .storage.writer import WriteItem, preload_ops, write_rank_file
@@ -74,19 +75,13 @@ class SaveJob:
             fn()
 
 
-def _exchange(outgoing: Any, local_error: Optional[str], what: str) -> list[Any]:
-    """Collective: every rank's ``outgoing`` (shard metadata), or the same error on every rank."""
-    gathered = gather_or_fail((local_error, outgoing), what)
-    raise_if([err for err, _ in gathered], what)
-    return [out for _, out in gathered]
-
-
-def _log_plan(plan: list[list], reused: bool) -> None:
+def _log_plan(plan: list[list], reused: bool, ranks: Optional[list[int]]) -> None:
     per_rank = [sum(r.length for r in records) for records in plan]
     mean = sum(per_rank) / len(per_rank)
     logger.debug(
-        "fastpersist: write plan %s: %d records, bytes per rank %s (max/mean %.3f)",
-        "reused" if reused else "made", sum(map(len, plan)), per_rank, max(per_rank) / mean if mean else 1.0,
+        "fastpersist: write plan %s%s: %d records, bytes per rank %s (max/mean %.3f)",
+        "reused" if reused else "made", "" if ranks is None else f" for ranks {ranks}", sum(map(len, plan)),
+        per_rank, max(per_rank) / mean if mean else 1.0,
     )
 
 
@@ -112,9 +107,10 @@ def _items(staged: list[StagedShard], fmt: CheckpointFormat, rank: int) -> list[
 class SaveEngine:
     """Saves of one strategy: keeps the write plan and snapshot buffer across saves."""
 
-    def __init__(self, config: WriteConfig, fmt: CheckpointFormat):
+    def __init__(self, config: WriteConfig, fmt: CheckpointFormat, group: Optional[dist.ProcessGroup] = None):
         self.config = config
         self.fmt = fmt
+        self.group = group  # ranks that exchange shard lists and plan together (None: the world)
         self._pool = SnapshotPool()
         self._plans = PlanCache()
         self._writing: set[str] = set()  # directories of async saves not yet finalized
@@ -127,6 +123,32 @@ class SaveEngine:
     def plan_reused(self) -> bool:
         """Whether the last save reused the cached write plan (same shard structure, no re-planning)."""
         return self._plans.reused
+
+    def _plan(self, held: list[ShardRecord], error: Optional[str], what: str) -> list[ShardRecord]:
+        """Collective: what this rank writes, planned within its group; or the same error on every rank.
+
+        Shard lists travel within the group only; a group's failure (a rank's
+        error, or no valid plan) is then agreed over the world, so every rank
+        raises it before anything is invalidated.
+        """
+        me = dist.get_rank(self.group)
+        if me < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not a member of the strategy's parallel_group")
+        ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+        gathered = gather_or_fail((error, self._plans.outgoing(me, held)), what, self.group)
+        failures = [err for err, _ in gathered if err]
+        plan: list[list[ShardRecord]] = []
+        if not failures:
+            try:  # the same in the whole group: the plan is a function of the gathered data
+                plan = self._plans.plan([out for _, out in gathered], self.config.balance, ranks)
+            except PlanError as e:
+                failures = [str(e)]
+        if self.group is not None:
+            failures = [f for group_failures in gather_or_fail(failures, what) for f in group_failures]
+        raise_if(failures, what)
+        if me == 0:
+            _log_plan(plan, self._plans.reused, ranks)
+        return plan[me]
 
     def prepare(self, sharded_state_dict: dict, checkpoint_dir: str, snapshot: bool,
                 aux_files: Optional[dict[str, bytes]] = None) -> SaveJob:
@@ -159,14 +181,7 @@ class SaveEngine:
             error = check_target_directory(ckpt)
         what = f"cannot save checkpoint {ckpt}"
         phases.mark("describe")
-        gathered = _exchange(self._plans.outgoing(rank, [s.record for s in staged]), error, what)
-        try:
-            plan = self._plans.plan(gathered, self.config.balance)
-        except PlanError as e:  # the same on every rank: the plan is a function of the gathered data
-            raise SaveFailedError(f"{what}; nothing was written: {e}") from None
-        if rank == 0:
-            _log_plan(plan, self._plans.reused)
-        staged = assign(staged, plan[rank], rank)
+        staged = assign(staged, self._plan([s.record for s in staged], error, what), rank)
         phases.mark("exchange+plan")
         prep_error = None
         if rank == 0:

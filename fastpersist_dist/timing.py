@@ -1,4 +1,4 @@
-"""Where the seconds of a save go, for the log: the profile behind the README's performance notes."""
+"""Where the seconds of a save go, for the log: the profile behind docs/performance.md."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from . import progress
 from .commit import read_index
 from .coverage import coverage_errors
 from .errors import FastPersistError
@@ -63,13 +64,14 @@ def verify_checkpoint(checkpoint_dir: str) -> VerifyReport:
         if actual != size:
             report.problems.append(f"{path} has {actual} bytes, the index says {size}")
             broken.add(name)
+    records = sorted((r for r in index.records if r.file not in broken), key=lambda r: (r.file, r.offset))
+    shown = progress.task("checksum", sum(r.length for r in records))
     with ShardReader(checkpoint_dir, index, verify=True, who=WHO) as reader:
-        for record in sorted(index.records, key=lambda r: (r.file, r.offset)):
-            if record.file in broken:
-                continue
+        for record in records:
             try:
                 reader.check_record(record)
                 report.bytes_checked += record.length
+                shown.add(record.length)
             except FastPersistError as e:
                 report.problems.append(str(e))
     report.problems.extend(f"{checkpoint_dir}: {p}" for p in coverage_errors(list(index.records)))

@@ -34,16 +34,22 @@ if ! dpkg -s libaio-dev >/dev/null 2>&1; then
     [ "$(id -u)" -eq 0 ] || SUDO=sudo
     echo "setup: installing libaio-dev"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libaio-dev >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libaio-dev 2>&1 >/dev/null |
+        { grep -v "^debconf: delaying package configuration, since apt-utils is not installed" >&2 || true; }
 fi
 
 [ -x "$VENV/bin/python" ] || "$(find_python)" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+pip_install() {
+    # Without pip's warning for each unusable index location of the machine's pip configuration
+    # (one per package looked up, harmless); everything else pip says is kept, on stderr.
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 |
+        { grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$" >&2 || true; }
+}
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     echo "setup: installing torch==2.13.0 into $VENV ($STACK)"
-    "${PIP[@]}" torch==2.13.0
+    pip_install torch==2.13.0
 fi
 echo "setup: installing fastpersist-dist[test] with megatron-core==$MCORE into $VENV"
-"${PIP[@]}" -e ".[test]" "megatron-core==$MCORE"
+pip_install -e ".[test]" "megatron-core==$MCORE"
 echo "setup: building DeepSpeed ops (cached under $VENV/torch_ext)"
 "$VENV/bin/fastpersist-dist" build-ops

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
+import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.core import CheckpointingException
 
+from fastpersist_dist import FastPersistSaveStrategy
 from fastpersist_dist.async_queue import AsyncSaveQueue
 from fastpersist_dist.format import INDEX_FILE, data_file_name
 from fastpersist_dist.verify import verify_checkpoint
@@ -148,3 +152,69 @@ def test_async_save_snapshots_only_this_ranks_pieces(tmp_path):
     path = str(tmp_path / "d")
     run_ranks(TP * DP, _async_balanced, path)
     assert verify_checkpoint(path).ok
+
+
+def _dp_group(rank: int) -> dist.ProcessGroup:
+    """This rank's data-parallel group; every rank creates every group, in the same order."""
+    groups = [dist.new_group([t + TP * d for d in range(DP)]) for t in range(TP)]
+    return groups[rank % TP]
+
+
+def _save_in_dp_groups(rank: int, world: int, root: str, checkpoint_format: str) -> bool:
+    strategy = FastPersistSaveStrategy(checkpoint_format, parallel_group=_dp_group(rank))
+    save(tp_dp_state(rank, 0), f"{root}/a", strategy)
+    save(tp_dp_state(rank, 1), f"{root}/b", strategy)
+    check_loaded(load(template(tp_dp_state(rank, 1)), f"{root}/b"), rank, 1)
+    return strategy.plan_reused
+
+
+@pytest.mark.parametrize("checkpoint_format", ["fastpersist", "torch_dist"])
+def test_dp_groups_are_planned_apart(tmp_path, checkpoint_format):
+    """TP=2 x DP=2 with parallel_group = the DP group: ranks {0, 2} and {1, 3} exchange and plan apart."""
+    root = str(tmp_path)
+    assert run_ranks(TP * DP, _save_in_dp_groups, root, checkpoint_format) == [True] * (TP * DP)
+    path = os.path.join(root, "b")
+    with open(os.path.join(path, INDEX_FILE)) as f:
+        body = json.load(f)["body"]
+    writer = {data_file_name(r, body.get("container", "raw")): r for r in range(TP * DP)}
+    groups_writing: dict = {}
+    for r in body["records"]:
+        groups_writing.setdefault((r["key"], tuple(r["global_offset"])), set()).add(writer[r["file"]] % TP)
+    assert all(len(g) == 1 for g in groups_writing.values()), groups_writing  # a shard is planned in one group
+    for key in ("qkv", "proj", "emb", "uneven"):  # each group writes its own tensor-parallel slice
+        assert set().union(*(g for (k, _), g in groups_writing.items() if k == key)) == {0, 1}, key
+    assert groups_writing[("huge", (0,))] == groups_writing[("ln", (0,))] == {0}  # main replica on rank 0
+    huge_writers = {writer[r["file"]] for r in body["records"] if r["key"] == "huge"}
+    assert huge_writers == {0, 2}  # split over the DP group of its main replica, not over the world
+    sizes = [body["files"].get(data_file_name(r, body.get("container", "raw")), 0) for r in range(TP * DP)]
+    for t in range(TP):  # balanced within each group (1 MiB split granularity)
+        group = sizes[t::TP]
+        assert max(group) / (sum(group) / len(group)) <= 1.10, sizes
+    report = verify_checkpoint(path)
+    assert report.ok, report.problems
+    run_ranks(2, _load_other_sharding, root)
+
+
+def _group_failure(rank: int, world: int, path: str, kind: str) -> str:
+    sd = tp_dp_state(rank)
+    if kind == "stage" and rank == 3:
+        sd["bad"] = ShardedTensor.from_rank_offsets("bad", torch.zeros(2), replica_id=(0, 1))
+        sd["bad"].data = [1.0, 2.0]
+    elif kind == "plan" and rank % TP == 1:  # both DP ranks of group {1, 3} claim the main replica
+        sd["bad"] = ShardedTensor.from_rank_offsets("twice", torch.zeros(2), replica_id=0)
+    strategy = FastPersistSaveStrategy("fastpersist", parallel_group=_dp_group(rank))
+    with pytest.raises(CheckpointingException) as info:
+        save(sd, path, strategy, validate=False)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("stage", "rank 3: ShardedTensor 'bad' holds list"),
+    ("plan", "'twice' at global offset (0,) is a main replica (replica_id 0) on rank 1 and on rank 3"),
+])
+def test_a_groups_failure_fails_every_group(tmp_path, kind, needle):
+    """Group {0, 2} has nothing wrong, yet raises the error of group {1, 3} before anything is written."""
+    path = str(tmp_path / "ckpt")
+    for message in run_ranks(TP * DP, _group_failure, path, kind):
+        assert needle in message and "nothing was written" in message, message
+    assert not any(n.startswith(("fastpersist", ".fastpersist")) for n in os.listdir(path))

@@ -109,7 +109,7 @@ def test_inspect_uncommitted_and_damaged(good_ckpt, tmp_path):
     with open(os.path.join(path, status_file_name(1)), "w") as f:
         f.write("{}")  # a writer's leftover, as after a crash before finalize
     # Through the real command line, for the exit code and the stream each part goes to.
-    proc = subprocess.run([sys.executable, "-m", "fastpersist_dist.cli", "inspect", path],
+    proc = subprocess.run([sys.executable, "-m", "fastpersist_dist_cli", "inspect", path],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "index: NOT committed (incomplete checkpoint)" in proc.stdout

@@ -105,3 +105,12 @@ def test_coverage_errors():
     assert "disagree on the global shape" in coverage_errors([rec(), rec(offset=(2, 0), glob=(4, 4), local=(2, 3))])[0]
     obj = rec(kind="object", dtype=None, local=(), glob=(2,), offset=(0,), length=5)
     assert "more than one rank" in coverage_errors([obj, obj])[0]
+
+
+def test_overlap_sweep_finds_far_pairs_and_no_false_ones():
+    rows = [rec(glob=(64, 3), local=(1, 3), offset=(i, 0)) for i in range(64)]  # every box spans all columns
+    assert coverage_errors(rows) == []
+    long = rec(glob=(64, 3), local=(9, 3), offset=(40, 0))  # meets rows 40..48, not its sorted neighbour only
+    errors = coverage_errors(rows[:40] + rows[49:] + [long, rows[47]], complete=False)
+    assert len(errors) == 1 and "(47, 0)" in errors[0] and "(40, 0)" in errors[0], errors
+    assert coverage_errors(rows[:10], complete=False) == []  # one group's share of a tensor: no gap reported

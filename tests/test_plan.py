@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import random
 
 import pytest
@@ -158,3 +159,32 @@ def test_plan_cache_refuses_gaps():
     w = tensor("w", (8, 8), (4, 8), (0, 0), "float32", 0)
     with pytest.raises(PlanError, match="cover 32 of 64"):
         PlanCache().plan([("d", [w])], balance=True)
+
+
+@pytest.mark.parametrize("tp,dp,dist_opt", [(2, 4, False), (4, 2, True)])
+def test_dp_groups_planned_apart_cover_everything_once(tp, dp, dist_opt):
+    held = gpt_layout(tp, dp, dist_opt=dist_opt)
+    plan: list[list[ShardRecord]] = [[] for _ in held]
+    for t in range(tp):  # each DP group sees only its own ranks' shard lists
+        ranks = [t + tp * d for d in range(dp)]
+        group_plan = PlanCache().plan([("-", held[r]) for r in ranks], balance=True, ranks=ranks)
+        for r, records in zip(ranks, group_plan):
+            plan[r] = records
+        per_rank = [sum(r.length for r in records) for records in group_plan]
+        assert max(per_rank) <= 1.05 * sum(per_rank) / dp, (t, per_rank)
+    assert coverage_errors([r for records in plan for r in records]) == []
+    for rank, records in enumerate(plan):  # nobody writes what it does not hold
+        holds = {(r.key, r.global_offset) for r in held[rank]}
+        assert all((r.key, r.global_offset) in holds for r in records)
+
+
+def test_group_leaves_shards_of_other_groups_alone():
+    main = tensor("ln", (8,), (8,), (0,), "float32", (0, 0))
+    copy = tensor("ln", (8,), (8,), (0,), "float32", (1, 0))
+    empty_main = replace(tensor("e", (0, 4), (0, 4), (0, 0), "float32", 0), length=0)
+    empty_copy = replace(empty_main, replica_id=1)
+    assert plan_writes([[main, empty_main], [copy, empty_copy]], ranks=[0, 2]) == [[main], [empty_copy]]
+    assert plan_writes([[copy, empty_copy], [copy, empty_copy]], ranks=[1, 3]) == [[], []]  # main is elsewhere
+    assert plan_writes([[empty_copy], [empty_copy]]) == [[empty_copy], []]  # the whole world: someone writes it
+    with pytest.raises(PlanError, match="on rank 1 and on rank 3"):
+        plan_writes([[main], [main]], ranks=[1, 3])

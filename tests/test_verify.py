@@ -20,7 +20,7 @@ def _save(rank: int, world: int, path: str) -> None:
 
 
 def _cli(path: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fastpersist_dist.cli", "verify", path],
+    return subprocess.run([sys.executable, "-m", "fastpersist_dist_cli", "verify", path],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -35,6 +35,7 @@ def test_verify_good_and_damaged(tmp_path):
     assert sum(r["length"] for r in body["records"] if r["kind"] == "tensor") == (64 * 256 + 64) * 4  # ... all tensors
     proc = _cli(path)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr == ""  # megatron-core's and DeepSpeed's import warnings are not the command's output
 
     victim = os.path.join(path, data_file_name(1))
     with open(victim, "r+b") as f:

@@ -28,6 +28,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistSaveShardedStrategy,
 )
 
+from fastpersist_dist_cli import DEFAULT_CONTENDERS  # names the command checks before importing this
+
 from .. import compat
 from ..async_queue import AsyncSaveQueue, collective_device
 from ..config import WriteConfig
@@ -204,5 +206,3 @@ CONTENDERS: dict[str, Contender] = {
                                            "megatron FullyParallelSaveStrategyWrapper(torch_dist)"),
     "torch_save": Contender(_torch_save, _torch_load, False, "torch.save of each rank's main replicas + fsync"),
 }
-DEFAULT_CONTENDERS = (DEVICE_BOUND, "fastpersist", "fastpersist_async", "fastpersist_dcp", "torch_dist",
-                      "torch_dist_fully_parallel", "torch_save")

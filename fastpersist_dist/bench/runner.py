@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import progress
 from ..async_queue import collective_device
 from ..commit import read_index
 from ..config import WriteConfig
@@ -147,6 +148,9 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
         resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True, device=device)
         preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
         aio_resources(cfg.write.aio)
+        display = progress.ProgressLine(sys.stderr)  # rank 0's bytes (its writer's and its reads)
+        if rank == 0:
+            progress.install(display)
         results = []
         for name in cfg.contenders:
             contender = CONTENDERS[name]
@@ -160,6 +164,7 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
                     os.makedirs(ckpt)
                 blocked: list = []
                 cpu: list[float] = []
+                display.label = f"bench: {name} {rep + 1}/{cfg.reps} save"
                 res.save_s.append(_timed(lambda: blocked.append(_cpu_timed(lambda: contender.save(sd, ckpt, cfg.write), cpu))))
                 res.save_cpu_s.append(_over_ranks(cpu[0], dist.ReduceOp.SUM))
                 if blocked[0] is not None:
@@ -170,11 +175,13 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, queue: Any) -> None:
                     if rank == 0:
                         drop_page_cache(ckpt)
                     template = {k: _blank(v) for k, v in expected.items()}
+                    display.label = f"bench: {name} {rep + 1}/{cfg.reps} {'load' if expected is sd else 'reshard'}"
                     holder: dict = {}
                     times.append(_timed(lambda: holder.update(contender.load(template, ckpt, cfg.write))))
                     _check(name, holder, expected)
                 dist.barrier()
                 if rank == 0:
+                    display.clear()
                     timings = ", ".join(f"{op} {t[-1]:.2f} s" for op, t in
                                         (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s)) if t)
                     print(f"bench: {name} {rep + 1}/{cfg.reps}: {timings}", file=sys.stderr, flush=True)

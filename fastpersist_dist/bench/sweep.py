@@ -2,7 +2,7 @@
 
 Each repetition of each setting is a ``bench`` run of the synchronous
 FastPersist save on fresh ranks, so settings share no aio handle or state. The defaults in ``config.py`` are the winners of this search on the
-development machine (README "Knobs").
+development machine (docs/knobs.md).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ request_type = _adapter.request_type
 common_files = _adapter.common_files
 stock_load = _adapter.stock_load
 register = _adapter.register
+TRAINING_STRATEGY_SEAMS = _adapter.TRAINING_STRATEGY_SEAMS
 
 __all__ = [
     "ASYNC_SAVE_KWARGS",
@@ -40,6 +41,7 @@ __all__ = [
     "REGISTRY",
     "LoadStrategyBase",
     "SaveStrategyBase",
+    "TRAINING_STRATEGY_SEAMS",
     "common_files",
     "request_type",
     "register",

@@ -24,6 +24,11 @@ DEFAULT_FORMAT = "fastpersist"
 ASYNC_SAVE_KWARGS: dict = {}
 SaveStrategyBase = AsyncSaveShardedStrategy
 LoadStrategyBase = LoadShardedStrategy
+# What Megatron-LM's megatron/training/checkpointing.py (released with this megatron-core) calls, once
+# each, to build its save and load strategies: ``get_default_save_sharded_strategy(args.ckpt_format)``
+# and ``get_default_load_sharded_strategy(checkpoint_dir)`` (core_v0.16.1). fastpersist_dist.megatron_lm
+# replaces these two names there.
+TRAINING_STRATEGY_SEAMS = ("get_default_save_sharded_strategy", "get_default_load_sharded_strategy")
 
 
 def request_type(async_strategy: Optional[str]) -> Callable[[Callable[..., None], tuple, list], AsyncRequest]:

@@ -35,6 +35,11 @@ DEFAULT_FORMAT = "torch_dist"
 ASYNC_SAVE_KWARGS: dict = {"async_strategy": "mcore"}
 SaveStrategyBase = TorchDistSaveShardedStrategy
 LoadStrategyBase = TorchDistLoadShardedStrategy
+# What Megatron-LM's megatron/training/checkpointing.py (released with this megatron-core) calls, once
+# each, to build its save and load strategies: the two classes themselves, constructed with Megatron-LM's
+# options (core_v0.17.1, core_v0.18.2, core_r0.19.0). fastpersist_dist.megatron_lm replaces these two
+# names there.
+TRAINING_STRATEGY_SEAMS = ("TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy")
 COMMON_STATE_KEY = "common_state"  # the ShardedObject megatron's save() adds
 COMMON_FILE = "common.pt"  # where megatron-core <= 0.16 looks for it
 

@@ -10,9 +10,10 @@ Two DeepSpeed 0.19 traps are handled here, once:
   locked bounce buffers are cached per process id, so a forked writer always
   makes its own.
 
-The ops are built (JIT, minutes) into ``<venv>/torch_ext`` unless
-``TORCH_EXTENSIONS_DIR`` says otherwise: one cache per virtualenv, so venvs of
-different torch or megatron-core stacks never load each other's builds.
+The ops are built (JIT, minutes) into ``<venv>/torch_ext`` unless the user's
+``TORCH_EXTENSIONS_DIR`` says otherwise: one cache per virtualenv, also for a
+process of one venv started from another's, so venvs of different torch or
+megatron-core stacks never rebuild each other's ops.
 """
 
 from __future__ import annotations
@@ -32,9 +33,17 @@ _AIO_MODULE: Optional[Any] = None
 _AIO_ERROR: Optional[str] = None
 
 
+# Set with TORCH_EXTENSIONS_DIR when we chose it: a process of another venv started from
+# ours inherits both, sees that the directory is ours and not the user's, and uses its own.
+_CHOSEN_DIR_VAR = "FASTPERSIST_TORCH_EXT_DIR"
+
+
 def use_venv_extension_cache() -> None:
-    """Build and load native ops under this virtualenv unless ``TORCH_EXTENSIONS_DIR`` is set."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ext"))
+    """Build and load native ops under this virtualenv unless the user set ``TORCH_EXTENSIONS_DIR``."""
+    current = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if current is None or current == os.environ.get(_CHOSEN_DIR_VAR):
+        ours = os.path.join(sys.prefix, "torch_ext")
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.environ[_CHOSEN_DIR_VAR] = ours
 
 
 def aio_module() -> Any:

@@ -27,6 +27,7 @@ from typing import Iterator, Protocol
 import numpy as np
 import torch
 
+from .. import progress
 from ..checksum import BlockHasher, digest_bytes
 from ..config import MiB, WriteConfig
 from ..errors import FastPersistError
@@ -334,6 +335,7 @@ def _stream(
     checksums still needed once the file was durable).
     """
     where = "writing"
+    shown = progress.task("write", sum(item.record.length for item in items))
     with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-checksum") as checksummer:
         digests = [checksummer.submit(_checksums, item, block, chunk) for item in items]
         try:
@@ -341,6 +343,7 @@ def _stream(
                 where = f"writing {item.record.describe()}"
                 for piece in _pieces(item, chunk):
                     sink.write(piece)
+                shown.add(item.record.length)
             phases.mark("copy+aio")
             where = "flushing and fsyncing"
             sink.close()

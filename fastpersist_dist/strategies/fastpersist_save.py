@@ -34,6 +34,13 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
             common state before any strategy, from ``common.pt`` or through DCP).
         config: a :class:`fastpersist_dist.config.WriteConfig`, or its knobs as
             keyword arguments.
+        parallel_group: the ranks that can hold replicas of this rank's shards,
+            as for megatron's ``FullyParallelSaveStrategyWrapper``: usually
+            ``parallel_state.get_data_parallel_group(with_context_parallel=True)``.
+            Shard lists are exchanged and the write plan made within it, so the
+            metadata a rank sends and plans over does not grow with the world
+            size; bytes are balanced over the group's ranks. None (default):
+            the whole world is one group.
     """
 
     def __init__(
@@ -41,6 +48,7 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         checkpoint_format: Optional[str] = None,
         config: Optional[WriteConfig] = None,
         write_common_pt: bool = False,
+        parallel_group: Optional[dist.ProcessGroup] = None,
         **knobs: Any,
     ):
         fmt = checkpoint_format_named(checkpoint_format or compat.DEFAULT_FORMAT)
@@ -50,7 +58,7 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         self.config = config or WriteConfig(**knobs)
         self.checkpoint_format = fmt.name
         self.write_common_pt = write_common_pt or not fmt.dcp_readable
-        self._engine = SaveEngine(self.config, fmt)
+        self._engine = SaveEngine(self.config, fmt, parallel_group)
 
     def load_ops(self) -> None:
         """Load DeepSpeed's native ops in this process now (seconds, once per process).

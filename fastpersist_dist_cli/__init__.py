@@ -1,0 +1,168 @@
+"""The ``fastpersist-dist`` command line: arguments parsed and checked, then the command run.
+
+The commands themselves are in ``fastpersist_dist.cli`` (see docs/cli.md). This
+package lives outside ``fastpersist_dist`` because importing that package
+registers its strategies with megatron-core, which imports torch, megatron-core
+and DeepSpeed (seconds): ``--help`` and argument errors answer before any of
+them is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+_DESCRIPTION = """FastPersist checkpoints for megatron-core: benchmark, knob search, simulation at scale, verify,
+inspect, build ops.
+
+Exit codes: 0 success, 1 the checkpoint has problems, 2 bad arguments or an
+unusable directory."""
+
+# Contenders of `bench` in table order (fastpersist_dist.bench.baselines.CONTENDERS implements them)
+DEFAULT_CONTENDERS = ("device_bound", "fastpersist", "fastpersist_async", "fastpersist_dcp", "torch_dist",
+                      "torch_dist_fully_parallel", "torch_save")
+CONTENDER_NAMES = DEFAULT_CONTENDERS + ("fastpersist_unbalanced", "fastpersist_dcp_fully_parallel")
+
+
+def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    """``fastpersist_dist.cli.<name>``, imported when the command runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        from fastpersist_dist import cli
+
+        return getattr(cli, name)(args)
+
+    return run
+
+
+def _output_path_problem(path: str, suffix: str = "") -> Optional[str]:
+    """Why a report cannot be written to ``path``; checked before a benchmark that may run for minutes."""
+    if suffix and not path.lower().endswith(suffix):
+        return f"{path} must end in {suffix}"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"directory {parent} of {path} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {parent} of {path} is not writable"
+    return None
+
+
+def _layout_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why ``--ranks``/``--tp`` describe no TP x DP layout, or None."""
+    return f"--ranks ({args.ranks}) must be a multiple of --tp ({args.tp})" if args.ranks % args.tp else None
+
+
+def _bench_problems(args: argparse.Namespace) -> list[str]:
+    """Every reason the bench arguments cannot run (empty when they can)."""
+    problems: list[Optional[str]] = [_layout_problem(args)]
+    args.contenders = args.contenders or ",".join(DEFAULT_CONTENDERS)
+    unknown = set(args.contenders.split(",")) - set(CONTENDER_NAMES)
+    if unknown:
+        problems.append(f"unknown contenders {sorted(unknown)}; known: {sorted(CONTENDER_NAMES)}")
+    if args.json:
+        problems.append(_output_path_problem(args.json))
+    if args.plot:
+        problems.append(_output_path_problem(args.plot, ".png"))
+    return [p for p in problems if p]
+
+
+# command -> its argument check, run before anything heavy is imported
+_CHECKS: dict[str, Callable[[argparse.Namespace], list[str]]] = {
+    "bench": _bench_problems,
+    "sweep": lambda args: [p for p in [_layout_problem(args)] if p],
+    "simulate": lambda args: [p for p in [args.json and _output_path_problem(args.json)] if p],
+}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _state_args(p: argparse.ArgumentParser) -> None:
+    """Ranks, parallel layout, size and repetitions of the benchmark state."""
+    p.add_argument("--ranks", type=_positive_int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--tp", type=_positive_int, default=2, help="tensor-parallel size; DP = ranks / tp (default 2)")
+    p.add_argument("--gib", type=_positive_float, default=2.0, help="total state size in GiB (default 2)")
+    p.add_argument("--reps", type=_positive_int, default=3, help="repetitions per contender (default 3)")
+    p.add_argument("--dir", default="bench_out", help="target directory (default ./bench_out)")
+    p.add_argument("--log-level", choices=("WARNING", "INFO", "DEBUG"), default="WARNING",
+                   help="WARNING (default): progress and results only; INFO: also one summary per save and "
+                        "load (rank 0); DEBUG: also each rank's save profile (phases) and its write and load "
+                        "throughput")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's argument parser."""
+    p = argparse.ArgumentParser(prog="fastpersist-dist", description=_DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="save/load a GPT-shaped state with FastPersist and the alternatives; print a table")
+    _state_args(b)
+    b.add_argument("--contenders", default=None,
+                   help=f"comma-separated list (default: all of {', '.join(DEFAULT_CONTENDERS)}; also "
+                        f"{', '.join(CONTENDER_NAMES[len(DEFAULT_CONTENDERS):])})")
+    b.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    b.add_argument("--keep", action="store_true", help="keep the last checkpoint of each contender")
+    b.add_argument("--plot", metavar="PATH.png", help="also draw the report as a GiB/s bar chart")
+    k = b.add_argument_group("FastPersist knobs (defaults: fastpersist_dist.config.WriteConfig, see docs/knobs.md)")
+    k.add_argument("--io-buffer-mb", type=_positive_int, help="page-locked bounce buffer per writer, MiB")
+    k.add_argument("--single-buffer", action="store_true", help="one bounce buffer instead of two halves")
+    k.add_argument("--aio-block-mb", type=_positive_int, help="aio request size, MiB")
+    k.add_argument("--aio-queue-depth", type=_positive_int, help="aio requests in flight")
+    k.add_argument("--aio-intra-op", type=_positive_int, help="aio threads per request (intra-op parallelism)")
+    k.add_argument("--direct-io", choices=("auto", "on", "off"), help="O_DIRECT+aio, with fallback (auto)")
+    k.add_argument("--no-balance", action="store_true", help="main replicas write everything (no DP split)")
+    b.set_defaults(func=_command("bench"))
+    w = sub.add_parser("sweep", help="search the write knobs one at a time around the defaults (FastPersist save)")
+    _state_args(w)
+    w.set_defaults(func=_command("sweep"))
+    v = sub.add_parser("verify", help="check a checkpoint completely (no torch.distributed needed)")
+    v.add_argument("directory", help="checkpoint directory")
+    v.set_defaults(func=_command("verify"))
+    i = sub.add_parser("inspect", help="show what a checkpoint holds, from its metadata and index (reads no data)")
+    i.add_argument("directory", help="checkpoint directory")
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
+    i.set_defaults(func=_command("inspect"))
+    m = sub.add_parser("simulate", help="checkpoint metadata at 1k-16k ranks: exchange, planning, index (no I/O)")
+    m.add_argument("--dp", type=_positive_int, nargs="+", default=[8, 32, 128], help="DP sizes (default 8 32 128)")
+    m.add_argument("--dist-opt", choices=("on", "off", "both"), default="both", help="distributed optimizer")
+    m.add_argument("--tp", type=_positive_int, default=8, help="tensor parallel (default 8)")
+    m.add_argument("--pp", type=_positive_int, default=16, help="pipeline parallel (default 16)")
+    m.add_argument("--layers", type=_positive_int, default=96, help="transformer layers (default 96)")
+    m.add_argument("--hidden", type=_positive_int, default=12288, help="hidden size (default 12288)")
+    m.add_argument("--vocab", type=_positive_int, default=51200, help="padded vocabulary (default 51200)")
+    m.add_argument("--world-plan-max", type=_positive_int, default=1024,
+                   help="plan the whole world at once up to this many ranks, extrapolate beyond (default 1024)")
+    m.add_argument("--central-max", type=_positive_int, default=1024,
+                   help="run DCP's central planning up to this many ranks, extrapolate beyond (default 1024)")
+    m.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    m.set_defaults(func=_command("simulate"))
+    o = sub.add_parser("build-ops", help="build (or check) the DeepSpeed ops FastPersist uses")
+    o.set_defaults(func=_command("build_ops"))
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: parse and check the arguments, hide dependency noise, run the command."""
+    args: Any = parser().parse_args(argv)
+    problems = _CHECKS.get(args.command, lambda _: [])(args)
+    for problem in problems:
+        print(f"{args.command}: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    from .quiet import quiet_dependencies
+
+    quiet_dependencies()
+    return args.func(args)

@@ -1,0 +1,79 @@
+"""Each virtualenv keeps its own built DeepSpeed ops: using one venv never rebuilds another's.
+
+Needs a second venv: ``FASTPERSIST_OTHER_PYTHON=<other venv>/bin/python`` (``.ci/run``
+sets it in its second run, pointing at the first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastpersist_dist.storage.deepspeed_ops import use_venv_extension_cache
+
+OTHER_PYTHON = os.environ.get("FASTPERSIST_OTHER_PYTHON")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OWN_ENV_VARS = ("TORCH_EXTENSIONS_DIR", "FASTPERSIST_TORCH_EXT_DIR")
+
+# Loads the async_io and utils ops the way a save does; prints where they came from.
+PROBE = """
+import json, sys
+from deepspeed.io import fast_file_writer
+from fastpersist_dist.storage.deepspeed_ops import aio_module, ensure_fast_file_writer_usable
+aio = aio_module()
+ensure_fast_file_writer_usable()
+utils = fast_file_writer.UtilsBuilder().load(verbose=False)
+print(json.dumps({"prefix": sys.prefix, "async_io": aio.__file__, "utils": utils.__file__}))
+"""
+
+
+def _probe(python: str, env: dict[str, str]) -> dict[str, str]:
+    proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=1200, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _builds(prefix: str) -> dict[str, tuple[int, int]]:
+    """(mtime, size) of every file under the venv's op cache."""
+    root = os.path.join(prefix, "torch_ext")
+    return {os.path.join(d, f): (os.stat(os.path.join(d, f)).st_mtime_ns, os.stat(os.path.join(d, f)).st_size)
+            for d, _, files in os.walk(root) for f in files}
+
+
+@pytest.mark.skipif(not OTHER_PYTHON, reason="needs a second venv: FASTPERSIST_OTHER_PYTHON=<other venv>/bin/python "
+                                             "(.ci/run sets it in its second run)")
+def test_second_venv_leaves_the_first_ones_ops_alone(monkeypatch):
+    clean = {k: v for k, v in os.environ.items() if k not in OWN_ENV_VARS}
+    pythons = (sys.executable, OTHER_PYTHON)
+    first = [_probe(p, clean) for p in pythons]  # each venv's ops built (set-up does it) and loaded
+    for seen in first:
+        ext = os.path.join(seen["prefix"], "torch_ext") + os.sep
+        assert seen["async_io"].startswith(ext) and seen["utils"].startswith(ext), seen
+    assert first[0]["prefix"] != first[1]["prefix"], "FASTPERSIST_OTHER_PYTHON is this venv's python"
+    before = {seen["prefix"]: _builds(seen["prefix"]) for seen in first}
+
+    # As in a test or a launcher that starts the other venv's python after our ops were used here.
+    for name in OWN_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    use_venv_extension_cache()
+    again = [_probe(p, dict(os.environ)) for p in (OTHER_PYTHON, sys.executable, OTHER_PYTHON)]
+    assert again == [first[1], first[0], first[1]]  # same files, each from its own venv
+    assert {prefix: _builds(prefix) for prefix in before} == before  # nothing rebuilt anywhere
+
+
+def test_users_extension_dir_is_kept(monkeypatch, tmp_path):
+    for name in OWN_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    use_venv_extension_cache()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_ext")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # the user's choice
+    use_venv_extension_cache()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)
+    monkeypatch.setenv("FASTPERSIST_TORCH_EXT_DIR", "/elsewhere/torch_ext")  # ours, from another venv's process
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere/torch_ext")
+    use_venv_extension_cache()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_ext")
