@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import pytest
 import torch
@@ -38,15 +39,17 @@ def snapshot(sd: dict) -> dict:
     return {k: sh.data.clone() for k, sh in sd.items()}
 
 
-def load_and_compare(sd: dict, want: dict, path: str) -> None:
+def load_and_compare(sd: dict, want: dict, path: str, loader: Callable[[dict, str], dict] = load) -> dict:
+    """Load ``path`` into zeros shaped (and placed) like ``sd``'s tensors; every value equals ``want``'s."""
     template = {
         k: ShardedTensor(sh.key, torch.zeros_like(sh.data.contiguous()), sh.dtype, sh.local_shape, sh.global_shape,
                          sh.global_offset, sh.axis_fragmentations, sh.replica_id, sh.prepend_axis_num)
         for k, sh in sd.items()
     }
-    loaded = load(template, path)
+    loaded = loader(template, path)
     for k in want:
         assert_same(loaded[k], want[k].contiguous(), f"{path}:{k}")
+    return loaded
 
 
 def async_save(sd: dict, path: str, strategy: FastPersistSaveStrategy):

@@ -1,13 +1,15 @@
 """The main job runs end to end on a tiny state (no timing assertions)."""
 
 import json
+import multiprocessing
 import subprocess
 import sys
+import time
 
 from fastpersist_dist.bench import training_loop
 from fastpersist_dist.bench.baselines import DEFAULT_CONTENDERS
 from fastpersist_dist.bench.gpt_state import GptShape
-from fastpersist_dist.bench.runner import BenchConfig
+from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed
 from fastpersist_dist.bench.sweep import SEARCH, format_sweep
 from fastpersist_dist.bench.training_loop import DEFAULT_LOOP_CONTENDERS, LoopConfig
 from fastpersist_dist.config import WriteConfig
@@ -34,6 +36,9 @@ def test_bench_command_tiny(tmp_path):
     assert list(rows) == list(DEFAULT_CONTENDERS)
     assert report["config"]["write"]["io_buffer_mb"] == 16 and report["config"]["write"]["aio_queue_depth"] == 4
     assert rows["fastpersist_async"]["blocking"]["median_s"] > 0
+    # CPU seconds per GiB for every contender; the async one's forked writer is reaped and counted
+    assert all(r["save"]["cpu_s_per_gib"] > 0 for r in rows.values())
+    assert "CPU s/GiB" in proc.stdout
     assert "reshard" not in rows["device_bound"] and rows["device_bound"]["save"]["x_device"] == 1.0
     assert rows["torch_dist"]["save"]["x_torch_dist"] == 1.0 and rows["fastpersist"]["reshard"]["x_torch_dist"] > 0
     per_rank = rows["fastpersist"]["bytes_per_rank"]
@@ -91,3 +96,21 @@ def test_bench_train_rejects_bad_arguments():
         proc = subprocess.run([sys.executable, "-m", "fastpersist_dist_cli", "bench-train", *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "bench-train:" in proc.stderr, (args, proc.stderr[-2000:])
+
+
+def _burn_cpu(seconds: float) -> None:
+    while time.process_time() < seconds:
+        pass
+
+
+def test_save_cpu_seconds_count_reaped_writer_processes():
+    """The CPU column charges a save with its forked writers' CPU (reaped within the save), not only the caller's."""
+    cpu: list[float] = []
+
+    def forked_writer() -> None:
+        child = multiprocessing.get_context("fork").Process(target=_burn_cpu, args=(0.3,))
+        child.start()
+        child.join()
+
+    _cpu_timed(forked_writer, cpu)
+    assert cpu[0] >= 0.3

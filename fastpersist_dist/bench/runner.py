@@ -8,6 +8,12 @@ with the same sharding and, where it can, resharded (tensor-parallel splits
 moved to the other axis), checking every loaded value. Before each load the
 page cache of the checkpoint files is dropped with posix_fadvise(DONTNEED),
 so loads read from the device.
+
+CPU seconds of a save are those of every process and thread that did its work:
+the rank's own process (all its threads: DeepSpeed's aio threads, torch's
+intra-op pool, DCP's writer threads), its reaped children (a forked writer) and
+its persistent writer process (async saves), summed over ranks. Kernel
+writeback threads flushing a buffered writer's page cache are not charged.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -68,6 +75,7 @@ class Result:
     load_s: list[float] = field(default_factory=list)
     reshard_s: list[float] = field(default_factory=list)
     blocking_s: list[float] = field(default_factory=list)
+    save_cpu_s: list[float] = field(default_factory=list)  # CPU seconds of the save, all ranks summed
     bytes_per_rank: list[int] = field(default_factory=list)  # data file sizes, where the format says
 
 
@@ -90,10 +98,37 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def _max_over_ranks(value: float) -> float:
+def _over_ranks(value: float, op: Any = dist.ReduceOp.MAX) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return float(t.item())
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all threads), its reaped children and its writer process."""
+    own = sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+    return own + _process_cpu_seconds(writer_client().pid)
+
+
+def _process_cpu_seconds(pid: Optional[int]) -> float:
+    """CPU seconds so far of a running process that is not our child to reap (0 if none or gone)."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _cpu_timed(fn: Callable[[], Any], cpu: list[float]) -> Any:
+    """``fn()``, appending the CPU seconds it took to ``cpu`` (forked writers are reaped within)."""
+    start = _cpu_seconds()
+    try:
+        return fn()
+    finally:
+        cpu.append(_cpu_seconds() - start)
 
 
 def _check(name: str, loaded: dict, expected: dict) -> None:
@@ -148,10 +183,12 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int) -> tuple[GptShape, list[R
                 shutil.rmtree(ckpt, ignore_errors=True)
                 os.makedirs(ckpt)
             blocked: list = []
+            cpu: list[float] = []
             display.label = f"bench: {name} {rep + 1}/{cfg.reps} save"
-            res.save_s.append(_timed(lambda: blocked.append(contender.save(sd, ckpt, cfg.write))))
+            res.save_s.append(_timed(lambda: blocked.append(_cpu_timed(lambda: contender.save(sd, ckpt, cfg.write), cpu))))
+            res.save_cpu_s.append(_over_ranks(cpu[0], dist.ReduceOp.SUM))
             if blocked[0] is not None:
-                res.blocking_s.append(_max_over_ranks(blocked[0]))
+                res.blocking_s.append(_over_ranks(blocked[0]))
             if rep == cfg.reps - 1:
                 res.bytes_per_rank = _bytes_per_rank(ckpt)
             for times, expected in loads:
@@ -240,7 +277,9 @@ def report(cfg: BenchConfig, shape: GptShape, results: list[Result]) -> dict:
     """Medians, min and max, throughput, and ratios to the device bound and to torch_dist.
 
     ``x_device``: the device bound's time over the contender's (1.0 = at the bound);
-    ``x_torch_dist``: torch_dist's time over the contender's (2.0 = twice as fast).
+    ``x_torch_dist``: torch_dist's time over the contender's (2.0 = twice as fast);
+    ``save.cpu_s_per_gib``: median CPU seconds of a save (all ranks, threads and
+    writer processes) per GiB of the state.
     A load's bound is the bound's read of the same bytes, resharded or not.
     """
     nbytes = shape.total_bytes()
@@ -251,6 +290,8 @@ def report(cfg: BenchConfig, shape: GptShape, results: list[Result]) -> dict:
                           ("blocking", res.blocking_s)):
             if times:
                 row[op] = summary(times, nbytes)
+        if res.save_cpu_s:
+            row["save"]["cpu_s_per_gib"] = statistics.median(res.save_cpu_s) / (nbytes / GiB)
         if res.bytes_per_rank:
             row["bytes_per_rank"] = res.bytes_per_rank
         rows.append(row)
@@ -288,11 +329,15 @@ def format_table(rep: dict) -> str:
         f"state: {rep['bytes'] / GiB:.2f} GiB (GPT hidden={rep['hidden']}, layers={rep['layers']}), "
         f"{cfg['ranks']} ranks, TP={cfg['tp']} x DP={cfg['ranks'] // cfg['tp']}, median of {cfg['reps']} "
         f"(min..max); saves fsynced; 'load' same sharding, 'reshard' TP splits moved to the other axis; "
-        f"page cache {rep['load_cache']}; x dev = device bound time / time, x t_dist = torch_dist time / time",
-        "".join([f"{'contender':<26}"] + [f" {op + ' s':>20} {'GiB/s':>6} {'x dev':>7} {'x t_dist':>8}" for op in OPS]),
+        f"page cache {rep['load_cache']}; x dev = device bound time / time, x t_dist = torch_dist time / time; "
+        f"CPU s/GiB = CPU seconds of a save (all ranks, threads, writer processes) per GiB",
+        "".join([f"{'contender':<26}"] + [f" {op + ' s':>20} {'GiB/s':>6} {'x dev':>7} {'x t_dist':>8}" for op in OPS]
+                + [f" {'CPU s/GiB':>9}"]),
     ]
     for r in rep["results"]:
-        lines.append("".join([f"{r['name']:<26}"] + [_cell(r.get(op)) for op in OPS]))
+        cpu = r.get("save", {}).get("cpu_s_per_gib")
+        lines.append("".join([f"{r['name']:<26}"] + [_cell(r.get(op)) for op in OPS]
+                             + [f" {cpu:>9.2f}" if cpu is not None else f" {'-':>9}"]))
     for r in rep["results"]:
         lines.append(f"  {r['name']}: {r['what']}")
         if "bytes_per_rank" in r:

@@ -1,0 +1,74 @@
+"""Accelerator tensors (CUDA): saved and loaded bit-exactly, async snapshots copied device-to-host into locked memory.
+
+Skipped without CUDA; ``scripts/gpu_check.sh`` runs these (``-m gpu``) and the
+benchmark on a GPU machine. Whether CUDA exists is asked in a subprocess: the
+ranks are forked, and a CUDA context made in this process would not survive it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from megatron.core import dist_checkpointing
+
+from fastpersist_dist import FastPersistSaveStrategy
+from fastpersist_dist.async_queue import AsyncSaveQueue
+
+from .helpers import load, make_dir, native_strategy, save
+from .multiproc import run_ranks
+from .test_async import async_save, load_and_compare, mutate, snapshot, state
+
+
+def _cuda_devices() -> int:
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_devices() == 0, reason="needs a CUDA device")]
+
+
+def gpu_state(rank: int, world: int) -> dict:
+    """The async tests' state (several dtypes, a strided view, a replica) on this rank's GPU."""
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    sd = state(rank, world)
+    for sh in sd.values():
+        sh.data = sh.data.cuda()
+    return sd
+
+
+def _sync_round_trip(rank: int, world: int, root: str) -> None:
+    sd = gpu_state(rank, world)
+    want = snapshot(sd)
+    # native format through our loader, torch_dist format through megatron's own
+    for fmt, path, loader in (("fastpersist", f"{root}/native", load), ("torch_dist", f"{root}/dcp", dist_checkpointing.load)):
+        save(sd, path, FastPersistSaveStrategy(fmt))
+        loaded = load_and_compare(sd, want, path, loader)
+        assert all(loaded[k].is_cuda for k in want), path
+
+
+def test_gpu_tensors_saved_and_loaded_bit_exactly_in_both_formats(tmp_path):
+    run_ranks(2, _sync_round_trip, str(tmp_path))
+
+
+def _async_snapshot_in_locked_memory(rank: int, world: int, root: str) -> None:
+    sd = gpu_state(rank, world)
+    before = snapshot(sd)
+    strategy = native_strategy()
+    queue = AsyncSaveQueue()
+    path = f"{root}/async"
+    make_dir(path)
+    queue.schedule(async_save(sd, path, strategy))
+    mutate(sd, 0)  # on the GPU, at once: the snapshot was taken
+    queue.maybe_finalize(blocking=True)
+    load_and_compare(sd, before, path)
+    # the snapshot buffer, back in the pool after finalize: device-to-host copies went into page-locked memory
+    buffer = strategy._engine._pool._free[1]
+    assert buffer.device.type == "cpu" and buffer.is_pinned()
+
+
+def test_gpu_async_save_snapshots_into_locked_memory(tmp_path):
+    run_ranks(2, _async_snapshot_in_locked_memory, str(tmp_path))
