@@ -4,7 +4,14 @@ On megatron-core 0.16, importing the package registers the ('fastpersist', 1)
 save and load strategies; 0.17+ has no registry (see ``compat``).
 """
 
-from . import compat
+import os
+
+if os.environ.get("FASTPERSIST_QUIET") == "1":  # a process our command started (its writer): as quiet as the command
+    from fastpersist_dist_cli.quiet import quiet_dependencies
+
+    quiet_dependencies()
+
+from . import compat  # noqa: E402 - after the filters, which must precede the dependencies' import-time warnings
 from .compat import ASYNC_SAVE_KWARGS
 from .async_queue import AsyncSaveQueue
 from .commit import prepare_checkpoint_dir

@@ -54,10 +54,12 @@ def quiet_dependencies() -> None:
 
     Forked ranks inherit the filters; processes that megatron spawns (a
     multiprocessing manager per rank for torch_dist) start a fresh interpreter
-    and read ``PYTHONWARNINGS``. DeepSpeed and torch log through loggers with
+    and read ``PYTHONWARNINGS``; our own writer processes see ``FASTPERSIST_QUIET``
+    and call this before importing any dependency. DeepSpeed and torch log through loggers with
     their own handlers, so a filter on each logger (kept when the library
     configures it on import) drops the known records.
     """
+    os.environ["FASTPERSIST_QUIET"] = "1"
     for category, start in WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(start), category=category)
     entries = [f"ignore:{start}:{category.__name__}" for category, start in WARNINGS]

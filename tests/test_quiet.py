@@ -28,8 +28,8 @@ subprocess.run([sys.executable, "-c", child], check=True)
 
 
 def _stderr(setup: str) -> str:
-    # without a PYTHONWARNINGS that the command, run in this process by other tests, left in the environment
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    # without what the command, run in this process by other tests, left in the environment
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "FASTPERSIST_QUIET")}
     proc = subprocess.run([sys.executable, "-c", EMIT.format(setup=setup)], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -49,6 +49,13 @@ def test_importing_the_library_hides_nothing():
         assert f"{start} (here)" in err and f"{start} (child)" in err, start
     for starts in LOGGED.values():
         assert all(f"{start} (here)" in err for start in starts), starts
+
+
+def test_processes_started_by_a_command_import_the_library_quietly():
+    """Our writer process (a fresh interpreter) imports the package under the command's FASTPERSIST_QUIET."""
+    err = _stderr("import os\nos.environ['FASTPERSIST_QUIET'] = '1'\nimport fastpersist_dist")
+    known = [start for _, start in WARNINGS] + [start for starts in LOGGED.values() for start in starts]
+    assert not [start for start in known if start in err], err
 
 
 def test_known_warnings_fit_pythonwarnings():

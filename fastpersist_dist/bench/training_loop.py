@@ -35,7 +35,7 @@ from ..strategies.fastpersist_save import FastPersistSaveStrategy
 from ..writer_process import writer_client
 from .baselines import SHIM_NOTE, torch_dist_cpu_shims
 from .gpt_state import GptShape, gpt_sharded_state_dict
-from .runner import GiB, BenchConfig, _max_over_ranks, init_rank, on_ranks
+from .runner import GiB, BenchConfig, _over_ranks, init_rank, on_ranks
 
 
 @dataclass(frozen=True)
@@ -274,19 +274,19 @@ def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: in
             run = run_loop(cp, sd, tensors, cfg, root, baseline, sample_memory=rep == 0)
             dist.barrier()
             _remove(root)
-            runs[name].append(_over_ranks(run))
+            runs[name].append(_slowest(run))
             if rank == 0:
                 print(f"bench-train: {name} {rep + 1}/{b.reps}: loop {runs[name][-1].loop_s:.2f} s",
                       file=sys.stderr, flush=True)
     return shape.total_bytes(), runs
 
 
-def _over_ranks(run: LoopRun) -> LoopRun:
+def _slowest(run: LoopRun) -> LoopRun:
     """The slowest rank's figures (memory: the largest)."""
     return LoopRun(
-        loop_s=_max_over_ranks(run.loop_s), calls_s=[_max_over_ranks(c) for c in run.calls_s],
-        durable_s=[_max_over_ranks(d) for d in run.durable_s], drain_s=_max_over_ranks(run.drain_s),
-        sync_s=_max_over_ranks(run.sync_s), extra_bytes=int(_max_over_ranks(float(run.extra_bytes))),
+        loop_s=_over_ranks(run.loop_s), calls_s=[_over_ranks(c) for c in run.calls_s],
+        durable_s=[_over_ranks(d) for d in run.durable_s], drain_s=_over_ranks(run.drain_s),
+        sync_s=_over_ranks(run.sync_s), extra_bytes=int(_over_ranks(float(run.extra_bytes))),
     )
 
 
