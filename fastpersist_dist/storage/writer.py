@@ -1,12 +1,12 @@
 """Streaming one rank's shards into its data file, checksumming as bytes pass.
 
-The fast path is DeepSpeed's DeepNVMe ``async_io`` handle (O_DIRECT + libaio
-through a page-locked double bounce buffer), driven as its ``FastFileWriter``
-drives it. Its traps are handled here: it reports failed aio writes nowhere (we
-check the file size after the final fsync), and some filesystems refuse
-O_DIRECT (we fall back, once warned, to a buffered writer producing identical
-bytes). The checksums are computed on a second thread from the caller's bytes
-while those bytes are copied and written.
+The fast path is DeepSpeed's ``FastFileWriter`` (O_DIRECT + libaio through a
+page-locked double bounce buffer). Its traps are handled here: it opens without
+``O_TRUNC`` (we unlink first), it reports failed aio writes nowhere (we check
+the file size after the final fsync), and some filesystems refuse O_DIRECT (we
+fall back, once warned, to a buffered writer producing identical bytes). The
+checksums are computed on a second thread from the caller's bytes while those
+bytes are copied and written, and the bounce-buffer copies run on one thread.
 
 Because a failed aio write can leave a file of the right size with wrong bytes
 (a hole, a stale bounce-buffer half), a few checksum blocks are read back from
@@ -21,10 +21,10 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
-import numpy as np
 import torch
 
 from .. import progress
@@ -38,6 +38,7 @@ from .deepspeed_ops import (
     aio_available,
     aio_module,
     aio_resources,
+    ensure_fast_file_writer_usable,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,77 +60,31 @@ class _Sink(Protocol):
 
 
 class _DirectSink:
-    """O_DIRECT + libaio through this process's DeepNVMe handle and its locked double bounce buffer.
-
-    DeepSpeed's ``FastFileWriter`` protocol (fill one half, ``async_pwrite`` it
-    while the other fills, the unaligned tail written buffered), with the fill
-    done by numpy on the calling thread: one memcpy thread that releases the GIL,
-    where torch's ``copy_`` would wake its whole intra-op pool for every piece and
-    spend as much CPU again spinning.
-    """
+    """FastFileWriter over this process's aio handle and bounce buffer."""
 
     mode = MODE_DIRECT
 
     def __init__(self, path: str, cfg: WriteConfig):
+        from deepspeed.io import FastFileWriter, FastFileWriterConfig
+
+        ensure_fast_file_writer_usable()
         res = aio_resources(cfg.aio)
-        self._path, self._handle = path, res.handle
-        self._align = res.handle.get_alignment()
-        half = res.buffer.numel() // 2 if cfg.double_buffer else res.buffer.numel()
-        self._halves = [res.buffer[i * half : (i + 1) * half] for i in range(2 if cfg.double_buffer else 1)]
-        self._views = [h.numpy() for h in self._halves]
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-        self._fill = self._filled = self._offset = 0
-        self._draining = False
-        self._closed = False
+        self._writer = FastFileWriter(
+            path,
+            FastFileWriterConfig(
+                dnvme_handle=res.handle, pinned_tensor=res.buffer, double_buffer=cfg.double_buffer
+            ),
+        )
 
     def write(self, data: torch.Tensor) -> None:
-        src, pos = data.numpy(), 0
-        while pos < len(src):
-            dest = self._views[self._fill]
-            n = min(len(src) - pos, len(dest) - self._filled)
-            np.copyto(dest[self._filled : self._filled + n], src[pos : pos + n])
-            self._filled += n
-            pos += n
-            if self._filled == len(dest):
-                self._drain(self._filled)
-
-    def _drain(self, nbytes: int) -> None:
-        """Start writing the first ``nbytes`` (aligned) of the filled half; the other half takes the next bytes."""
-        self._wait()
-        if self._handle.async_pwrite(self._halves[self._fill][:nbytes], self._fd, self._offset) != 0:
-            raise OSError(f"aio write of {nbytes} bytes at offset {self._offset} could not be submitted")
-        self._draining = True
-        self._offset += nbytes
-        self._fill = (self._fill + 1) % len(self._halves)
-        self._filled = 0
-        if len(self._halves) == 1:  # single buffer: it is refilled next, so the write must be done
-            self._wait()
-
-    def _wait(self) -> None:
-        if self._draining:
-            self._draining = False
-            self._handle.wait()
+        # A storage slice is a zero-copy view of exactly these bytes; save_size=False
+        # avoids DeepSpeed's freed-size-tensor bug.
+        start = data.storage_offset()
+        storage = data.untyped_storage()[start : start + data.numel()]
+        self._writer.save_torch_storage_object_list([(storage, torch.uint8)], False)
 
     def close(self) -> None:
-        """Drain the aligned bytes with O_DIRECT, append the unaligned tail buffered, fsync."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            view, filled = self._views[self._fill], self._filled
-            aligned = filled // self._align * self._align
-            tail = view[aligned:filled].tobytes()
-            if aligned:
-                self._drain(aligned)
-            self._wait()
-            if tail:
-                with open(self._path, "r+b", buffering=0) as f:
-                    os.pwrite(f.fileno(), tail, self._offset)
-                    os.fsync(f.fileno())
-            os.fsync(self._fd)
-        finally:
-            self._wait()
-            os.close(self._fd)
+        self._writer.close()
 
 
 class _BufferedSink:
@@ -166,7 +121,7 @@ def preload_ops(cfg: WriteConfig) -> None:
     the aio *handle* must be made by the writer itself.
     """
     if cfg.direct_io != "off" and aio_available():
-        aio_module()
+        ensure_fast_file_writer_usable()
 
 
 def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
@@ -292,7 +247,7 @@ def write_rank_file(
     chunk = max(block, 64 * MiB // block * block)
     expected = sum(item.record.length for item in items)
     if os.path.lexists(path):
-        os.unlink(path)  # a fresh inode: no old bytes past our end, no other owner's mode
+        os.unlink(path)  # FastFileWriter opens without O_TRUNC: old bytes would survive.
     try:
         sink = _open_sink(path, cfg)
     except OSError as e:
@@ -301,7 +256,7 @@ def write_rank_file(
     phases = Phases()
     try:
         out = _stream(path, sink, items, block, chunk, rank, phases)
-        os.chmod(path, 0o644)  # whatever the umask and the sink
+        os.chmod(path, 0o644)  # FastFileWriter creates files with mode 0o777 (minus umask)
         size = os.stat(path).st_size
         if size != expected:
             raise FastPersistError(
@@ -322,6 +277,23 @@ def write_rank_file(
     return WriteResult(out, expected, seconds, sink.mode)
 
 
+@contextmanager
+def _copies_on_this_thread() -> Iterator[None]:
+    """Run FastFileWriter's bounce-buffer fills (torch ``copy_``) on the calling thread alone.
+
+    torch's intra-op pool spins for as much CPU again as a large copy takes,
+    beside the checksum thread; one thread copies as fast here (measured with
+    scripts/writer_ab.py). A synchronous save blocks the trainer, so the
+    process-wide setting is restored before anything else runs.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _stream(
     path: str, sink: _Sink, items: list[WriteItem], block: int, chunk: int, rank: int, phases: Phases,
 ) -> list[ShardRecord]:
@@ -336,7 +308,7 @@ def _stream(
     """
     where = "writing"
     shown = progress.task("write", sum(item.record.length for item in items))
-    with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-checksum") as checksummer:
+    with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-checksum") as checksummer, _copies_on_this_thread():
         digests = [checksummer.submit(_checksums, item, block, chunk) for item in items]
         try:
             for item in items:
