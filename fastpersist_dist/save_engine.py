@@ -27,6 +27,7 @@ from .commit import agree, check_target_directory, finalize_save, gather_or_fail
 from .config import WriteConfig
 from .errors import FastPersistError, SaveFailedError
 from .format import ShardRecord
+from .per_process import PerProcess
 from .plan import PlanCache, PlanError, place_in_rank_file
 from .staging import SnapshotPool, StagedShard, assign, stage, to_host_bytes
 from .storage.writer import WriteItem, preload_ops
@@ -98,21 +99,13 @@ class _ProcessWide:
     plans: dict[Optional[tuple[int, ...]], PlanCache] = field(default_factory=dict)  # per group (None: world)
     writing: set[str] = field(default_factory=set)  # directories of async saves not yet finalized
 
-
     def plan_cache(self, ranks: Optional[tuple[int, ...]]) -> PlanCache:
         """The plan cache of the saves planned over ``ranks`` (a cache holds one group's structure)."""
         return self.plans.setdefault(ranks, PlanCache())
 
 
-_PROCESS_WIDE: dict[int, _ProcessWide] = {}
-
-
-def _process_wide() -> _ProcessWide:
-    """This process's shared save state (a forked child starts its own: buffers are shared memory)."""
-    state = _PROCESS_WIDE.get(os.getpid())
-    if state is None:
-        state = _PROCESS_WIDE[os.getpid()] = _ProcessWide()
-    return state
+# This process's shared save state (a forked child starts its own: buffers are shared memory).
+_process_wide = PerProcess(_ProcessWide).get
 
 
 class SaveEngine:

@@ -47,6 +47,7 @@ from .commit import write_and_report, write_status
 from .config import WriteConfig
 from .errors import FastPersistError
 from .format import ShardRecord
+from .per_process import PerProcess
 from .storage.shared_memory import SharedBuffer, map_fd
 from .storage.writer import WriteItem, preload_ops
 
@@ -253,15 +254,8 @@ def _exit_description(code: Optional[int]) -> str:
     return f"exit code {code}"
 
 
-_CLIENTS: dict[int, WriterClient] = {}
-
-
-def writer_client() -> WriterClient:
-    """This process's writer client (a forked child gets its own: the parent's writer is not its child)."""
-    client = _CLIENTS.get(os.getpid())
-    if client is None:
-        client = _CLIENTS[os.getpid()] = WriterClient()
-    return client
+# This process's writer client (a forked child gets its own: the parent's writer is not its child).
+writer_client = PerProcess(WriterClient).get
 
 
 # ----------------------------------------------------------------------------- writer side
