@@ -108,6 +108,7 @@ def _examine(command: str, examine: Callable[[str], Any], directory: str) -> Any
 def verify(args: argparse.Namespace) -> int:
     """``verify``: every problem, then one summary line."""
     from .progress import ProgressLine, shown
+    from .wording import counted
     from .verify import verify_checkpoint
 
     with shown(ProgressLine(sys.stderr, "verify: checksummed")):
@@ -116,10 +117,10 @@ def verify(args: argparse.Namespace) -> int:
         return 2
     for problem in report.problems:
         print(f"PROBLEM: {problem}")
-    count = len(report.problems)
-    state = "OK" if report.ok else f"FAILED ({count} problem{'' if count == 1 else 's'})"
+    state = "OK" if report.ok else f"FAILED ({counted(len(report.problems), 'problem')})"
     print(
-        f"verify: {report.directory}: {state}; {report.tensors} tensors in {report.records} records, "
+        f"verify: {report.directory}: {state}; {counted(report.tensors, 'tensor')} in "
+        f"{counted(report.records, 'record')}, "
         f"{report.bytes_checked / 2**30:.3f} GiB checksummed"
     )
     return 0 if report.ok else 1

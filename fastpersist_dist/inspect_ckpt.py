@@ -24,6 +24,7 @@ from .format import (
     ShardRecord,
     is_data_file,
 )
+from .wording import counted
 
 WHO = "inspect"
 NOT_COMMITTED = "NOT committed (incomplete checkpoint)"
@@ -195,7 +196,7 @@ def format_report(report: InspectReport) -> str:
         tensors = [e for e in report.entries if e.kind == "tensor"]
         objects = [e for e in report.entries if e.kind != "tensor"]
         records = sum(e.records for e in report.entries)
-        lines.append(f"{len(tensors)} tensors, {len(objects)} objects, {records} records:")
+        lines.append(f"{counted(len(tensors), 'tensor')}, {counted(len(objects), 'object')}, {counted(records, 'record')}:")
         rows = [("key", "kind", "dtype", "global shape", "shards", "records", "bytes")] + [
             (e.key, e.kind, e.dtype or "-", str(e.global_shape), str(e.shards), str(e.records), str(e.bytes))
             for e in report.entries

@@ -83,7 +83,7 @@ def test_inspect_text(good_ckpt, capsys):
     assert code == 0
     assert "backend: fastpersist version 1" in out and "index: committed; written by 2 ranks" in out
     objects = 1 + len(ADDED_OBJECTS)
-    assert f"3 tensors, {objects} objects, {6 + objects} records:" in out
+    assert f"3 tensors, {'1 object' if objects == 1 else f'{objects} objects'}, {6 + objects} records:" in out
     lines = out.splitlines()
     w = next(line.split() for line in lines if line.split()[:1] == ["w"])
     assert w[:3] == ["w", "tensor", "float32"] and w[-3:] == ["2", "2", str(64 * 256 * 4)]
