@@ -195,7 +195,7 @@ class WriterClient:
             listener.bind(self._address)
             listener.listen(256)
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "fastpersist_dist.writer_process", str(listener.fileno()), str(os.getpid()),
+                [sys.executable, "-c", _BOOT, str(listener.fileno()), str(os.getpid()),
                  str(logging.getLogger("fastpersist_dist").getEffectiveLevel())],
                 pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL, env=_child_env(),
             )
@@ -253,6 +253,10 @@ def _exit_description(code: Optional[int]) -> str:
         return f"killed by signal {-code} ({signal.strsignal(-code)})"
     return f"exit code {code}"
 
+
+# The writer's interpreter imports this module like any other: run as ``-m`` it would exist twice
+# (runpy warns, on stderr of every writer, that the package import had already loaded it).
+_BOOT = "import sys; from fastpersist_dist.writer_process import main; main(sys.argv[1:])"
 
 # This process's writer client (a forked child gets its own: the parent's writer is not its child).
 writer_client = PerProcess(WriterClient).get
@@ -325,7 +329,3 @@ def main(argv: list[str]) -> None:
                 writer.handle(conn)
             except (OSError, EOFError, pickle.UnpicklingError) as e:  # that caller is gone; serve the next
                 logger.warning("fastpersist: writer: a request failed: %s", e)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

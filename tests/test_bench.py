@@ -45,6 +45,7 @@ def test_bench_command_tiny(tmp_path):
     assert len(per_rank) == 2 and min(per_rank) > 0  # TP=1: all replicated, both ranks write a share
     assert "bytes written per rank" in proc.stdout and "x t_dist" in proc.stdout
     assert "bench: fastpersist_async 1/1: save" in proc.stderr  # progress while it runs
+    assert "RuntimeWarning" not in proc.stderr  # e.g. runpy's about a writer process started with -m
     known = [start for _, start in WARNINGS] + [start for starts in LOGGED.values() for start in starts]
     for noise in known:  # dependencies' known warnings, hidden in our command (its ranks, megatron's spawned processes)
         assert noise not in proc.stdout + proc.stderr, noise
