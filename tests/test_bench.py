@@ -2,14 +2,18 @@
 
 import json
 import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
 from fastpersist_dist.bench import training_loop
 from fastpersist_dist.bench.baselines import DEFAULT_CONTENDERS
 from fastpersist_dist.bench.gpt_state import GptShape
-from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed
+from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed, on_ranks
 from fastpersist_dist.bench.sweep import SEARCH, format_sweep
 from fastpersist_dist.bench.training_loop import DEFAULT_LOOP_CONTENDERS, LoopConfig
 from fastpersist_dist.config import WriteConfig
@@ -115,3 +119,20 @@ def test_save_cpu_seconds_count_reaped_writer_processes():
 
     _cpu_timed(forked_writer, cpu)
     assert cpu[0] >= 0.3
+
+
+def _die_on_rank_1(rank: int, port: int) -> int:
+    """Rank 1 is killed as the OOM killer would; rank 0 would wait for it forever."""
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+    return rank
+
+
+def test_a_rank_killed_fails_the_benchmark_instead_of_hanging():
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        on_ranks(2, _die_on_rank_1)
+    assert "rank 1 died without a result (signal 9" in str(err.value)
+    assert "rank 0:\nstopped after another rank died" in str(err.value)
+    assert time.monotonic() - started < 300  # not the 600 s rank 0 would have slept

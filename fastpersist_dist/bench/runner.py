@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 import traceback
+from queue import Empty
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -230,6 +231,50 @@ def _rank_entry(rank: int, target: Callable[..., Any], args: tuple, port: int, q
             dist.destroy_process_group()
 
 
+def _died(procs: list[Any], outcomes: dict) -> dict[int, int]:
+    return {r: p.exitcode for r, p in enumerate(procs) if r not in outcomes and p.exitcode not in (None, 0)}
+
+
+def _drain(queue: Any, outcomes: dict) -> None:
+    while True:
+        try:
+            rank, ok, value = queue.get(timeout=0.2)
+        except Empty:
+            return
+        outcomes[rank] = (ok, value)
+
+
+def _collect(procs: list[Any], queue: Any) -> dict[int, tuple[bool, Any]]:
+    """Every rank's outcome; a rank that died without one (OOM-killed, segfault) fails them all.
+
+    Without this the parent would wait forever on the queue, and the surviving ranks in their
+    next collective.
+    """
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    while len(outcomes) < len(procs):
+        try:
+            rank, ok, value = queue.get(timeout=1.0)
+            outcomes[rank] = (ok, value)
+            continue
+        except Empty:
+            pass
+        if not _died(procs, outcomes):
+            continue
+        _drain(queue, outcomes)  # a result may have arrived just before its rank died
+        died = _died(procs, outcomes)
+        if died:
+            for p in procs:
+                if p.exitcode is None:
+                    p.terminate()
+            for r, code in sorted(died.items()):
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                outcomes[r] = (False, f"rank {r} died without a result ({how}; "
+                                      f"SIGKILL (9) is usually the out-of-memory killer)")
+            for r in range(len(procs)):
+                outcomes.setdefault(r, (False, "stopped after another rank died"))
+    return outcomes
+
+
 def on_ranks(ranks: int, target: Callable[..., Any], *args: Any) -> list[Any]:
     """Fork ``ranks`` processes running ``target(rank, *args, port)``; their return values by rank.
 
@@ -243,10 +288,7 @@ def on_ranks(ranks: int, target: Callable[..., Any], *args: Any) -> list[Any]:
     procs = [ctx.Process(target=_rank_entry, args=(r, target, args, port, queue)) for r in range(ranks)]
     for p in procs:
         p.start()
-    outcomes = {}
-    for _ in procs:
-        rank, ok, value = queue.get()
-        outcomes[rank] = (ok, value)
+    outcomes = _collect(procs, queue)
     for p in procs:
         p.join()
     failed = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
