@@ -51,5 +51,14 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing fastpersist-dist[test] with megatron-core==$MCORE into $VENV"
 pip_install -e ".[test]" "megatron-core==$MCORE"
+if [ "$STACK" = mcore-0.19 ] && [ ! -d "$VENV/nvrx/nvidia_resiliency_ext" ]; then
+    # megatron-core 0.17+'s default async queue ("nvrx") comes from nvidia-resiliency-ext, whose
+    # only Python 3.12 wheel is tagged manylinux_2_39 (this Debian has glibc 2.36). Its async
+    # checkpoint queue is pure Python; it goes beside the venv, not on its path, so only the test
+    # of that queue (tests/test_torch_dist_format.py) imports it and megatron's default stays as is.
+    echo "setup: nvidia-resiliency-ext 0.7.0 into $VENV/nvrx (for the test of megatron's nvrx queue)"
+    pip_install --no-deps --only-binary=:all: --platform manylinux_2_39_x86_64 --python-version 3.12 \
+        --target "$VENV/nvrx" nvidia-resiliency-ext==0.7.0
+fi
 echo "setup: building DeepSpeed ops (cached under $VENV/torch_ext)"
 "$VENV/bin/fastpersist-dist" build-ops

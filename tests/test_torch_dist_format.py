@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import shutil
 import signal
 
@@ -232,16 +233,22 @@ def test_megatron_fully_parallel_wrapper_around_our_strategy(tmp_path):
     assert min(run_ranks(2, _fully_parallel, str(tmp_path / "fp"))) > 40
 
 
-def _async_with_megatron_queue(rank: int, world: int, path: str) -> int:
+NVRX_DIR = os.path.join(sys.prefix, "nvrx")  # scripts/setup.sh puts nvidia-resiliency-ext there (0.19)
+
+
+def _async_with_megatron_queue(rank: int, world: int, path: str, queue_name: str) -> int:
     from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
 
-    queue = get_async_strategy("mcore", "AsyncCallsQueue")[1]()
+    if queue_name == "nvrx":
+        sys.path.insert(0, NVRX_DIR)
+    # nvrx's persistent worker binds a CUDA device (rank % device_count()): its forking caller on CPU.
+    queue = get_async_strategy(queue_name, "AsyncCallsQueue")[1](**({"persistent": False} if queue_name == "nvrx" else {}))
     sd = state(rank, world)
     before = {k: v.data.clone() for k, v in sd.items() if isinstance(v, ShardedTensor)}
     make_dir(path)
     with torch_dist_cpu_shims():
         request = dist_checkpointing.save(sd, path, sharded_strategy=strategy(), async_sharded_save=True,
-                                          async_strategy="mcore")
+                                          async_strategy=queue_name)
         for k in before:
             sd[k].data.zero_() if sd[k].data.dtype != torch.bool else sd[k].data.logical_not_()  # training goes on
         queue.schedule_async_request(request)
@@ -253,7 +260,15 @@ def _async_with_megatron_queue(rank: int, world: int, path: str) -> int:
 
 @pytest.mark.skipif(compat.REGISTRY, reason="megatron-core 0.16 has no get_async_strategy; its queue is tested in test_async")
 def test_async_save_runs_on_megatrons_mcore_queue(tmp_path):
-    assert min(run_ranks(2, _async_with_megatron_queue, str(tmp_path / "a"))) > 40
+    assert min(run_ranks(2, _async_with_megatron_queue, str(tmp_path / "a"), "mcore")) > 40
+
+
+@pytest.mark.skipif(compat.REGISTRY, reason="megatron-core 0.16 has no get_async_strategy")
+def test_async_save_runs_on_nvidia_resiliency_ext_queue(tmp_path):
+    """megatron-core 0.17+'s default async queue, from nvidia-resiliency-ext (installed by setup.sh)."""
+    if not os.path.isdir(os.path.join(NVRX_DIR, "nvidia_resiliency_ext")):
+        pytest.skip(f"nvidia-resiliency-ext not in {NVRX_DIR} (FASTPERSIST_STACK=mcore-0.19 scripts/setup.sh puts it there)")
+    assert min(run_ranks(2, _async_with_megatron_queue, str(tmp_path / "a"), "nvrx")) > 40
 
 
 def _nvrx_without_package(rank: int, world: int, path: str) -> str:
