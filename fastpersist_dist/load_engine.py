@@ -18,7 +18,7 @@ import math
 import pickle
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -28,6 +28,7 @@ from .checkpoint_formats import BY_CONTAINER
 from .coverage import record_extents
 from .errors import FastPersistError
 from .format import KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, dtype_from_name
+from .index_pages import Box
 from .layout import Extent, intersect
 from .storage.reader import ShardReader
 
@@ -140,6 +141,20 @@ class Loader:
                 "use FastPersistLoadStrategy(trust_objects=True) or torch.serialization.add_safe_globals"
             ) from e
         return self.fmt.object_from_loaded(loaded, where)
+
+
+def requested_boxes(items: Iterable[Any]) -> dict[str, list[Box]]:
+    """Key -> the global boxes requested (an object: its cell), to read only the index pages meeting them."""
+    wants: dict[str, list[Box]] = defaultdict(list)
+    for item in items:
+        if isinstance(item, ShardedTensor):
+            low = tuple(item.global_offset)
+            shape = (1,) * item.prepend_axis_num + tuple(item.local_shape)
+            wants[item.key].append((low, tuple(o + n for o, n in zip(low, shape))))
+        elif isinstance(item, ShardedObject):
+            low = tuple(item.global_offset)
+            wants[item.key].append((low, tuple(o + 1 for o in low)))
+    return dict(wants)
 
 
 def _nbytes(view: torch.Tensor) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 from .. import compat
@@ -23,7 +23,7 @@ from ..checkpoint_formats import BACKENDS, DCP_METADATA_FILE
 from ..commit import read_index
 from ..errors import FastPersistError
 from ..format import INDEX_FILE, CheckpointIndex
-from ..load_engine import Loader, sharded_metadata, tensors_metadata
+from ..load_engine import Loader, requested_boxes, sharded_metadata, tensors_metadata
 from ..storage.reader import ShardReader
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
             return compat.stock_load(sharded_state_dict, ckpt, async_strategy)
         start = time.perf_counter()
         rank = _rank()
-        index = read_index(ckpt, f"rank {rank}")
+        index = read_index(ckpt, f"rank {rank}", requested_boxes(nested_values(sharded_state_dict)))
         with ShardReader(ckpt, index, self.verify_checksums, f"rank {rank}") as reader:
             loader = Loader(index, reader, rank, self.trust_objects)
             dict_list_map_inplace(loader.load, sharded_state_dict)
