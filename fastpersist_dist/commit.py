@@ -34,7 +34,7 @@ import os
 import socket
 import traceback
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
@@ -298,8 +298,8 @@ def _commit_top(checkpoint_dir: str, reports: list[dict[str, Any]], world: int, 
     if fmt.marker == INDEX_FILE:
         _commit_file(checkpoint_dir, INDEX_FILE, index.to_json_bytes())
         return
-    records = (r for name in sorted(index.parts) for r in read_pages(
-        checkpoint_dir, index, [p for p in index.pages if p.part_file == name], "rank 0").records)
+    records = (r for name in sorted(index.parts) for r in index.whole(read_page_bytes(
+        checkpoint_dir, index, [p for p in index.pages if p.part_file == name], "rank 0"), "rank 0").records)
     metadata = metadata_bytes(records, checkpoint_dir)
     index = replace(index, metadata_xxh3_64=digest_bytes(metadata))
     _commit_file(checkpoint_dir, INDEX_FILE, index.to_json_bytes())
@@ -394,12 +394,10 @@ def _log_summary(checkpoint_dir: str, reports: list[dict[str, Any]]) -> None:
     )
 
 
-def read_index(checkpoint_dir: str, who: str, wants: Optional[dict[str, list[Box]]] = None) -> CheckpointIndex:
-    """The committed index, or an error saying why this directory cannot be loaded.
+def read_top(checkpoint_dir: str, who: str) -> Union[PagedIndex, CheckpointIndex]:
+    """The committed top level (version 3) or whole index (versions 1 and 2), or why there is none.
 
-    ``who`` (e.g. "rank 3") starts every message. For a version-3 (paged) index,
-    ``wants`` (key -> requested boxes) reads only the pages meeting them; None
-    reads every page. Versions 1 and 2 are one file, always read whole.
+    ``who`` (e.g. "rank 3") starts every message.
     """
     path = os.path.join(str(checkpoint_dir), INDEX_FILE)
     try:
@@ -416,25 +414,39 @@ def read_index(checkpoint_dir: str, who: str, wants: Optional[dict[str, list[Box
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         doc = None  # from_json_bytes says what is wrong
-    if is_paged(doc):
-        top = parse_top(doc, f"{who}: {path}")
-        index = read_pages(str(checkpoint_dir), top, top.pages if wants is None else select_pages(top, wants), who)
-    else:
-        index = CheckpointIndex.from_json_bytes(data, path)
+    return parse_top(doc, f"{who}: {path}") if is_paged(doc) else CheckpointIndex.from_json_bytes(data, path)
+
+
+def read_index(checkpoint_dir: str, who: str, wants: Optional[dict[str, list[Box]]] = None) -> CheckpointIndex:
+    """The committed index, or an error saying why this directory cannot be loaded.
+
+    For a version-3 (paged) index, ``wants`` (key -> requested boxes) reads only
+    the pages meeting them; None reads every page. Versions 1 and 2 are one
+    file, always read whole.
+    """
+    top = read_top(checkpoint_dir, who)
+    if isinstance(top, PagedIndex):
+        pages = top.pages if wants is None else select_pages(top, wants)
+        top = top.whole(read_page_bytes(str(checkpoint_dir), top, pages, who), f"{who}: {checkpoint_dir}")
+    check_markers(str(checkpoint_dir), top, who)
+    return top
+
+
+def check_markers(checkpoint_dir: str, index: CheckpointIndex, who: str) -> None:
+    """The index goes with the commit markers beside it: its own ``.metadata``, or none for the native format."""
     if index.container == CONTAINER_TORCH_SAVE:
-        _check_dcp_metadata(str(checkpoint_dir), index, who)
-    elif os.path.lexists(os.path.join(str(checkpoint_dir), DCP_METADATA_FILE)):
+        _check_dcp_metadata(checkpoint_dir, index, who)
+    elif os.path.lexists(os.path.join(checkpoint_dir, DCP_METADATA_FILE)):
         # Our saves remove both markers first, so this .metadata came later, from another writer.
         raise CorruptCheckpointError(
             f"{who}: {checkpoint_dir} holds a native {INDEX_FILE} and a torch DCP {DCP_METADATA_FILE} written "
             "after it by another writer (e.g. megatron's own torch_dist save into the same directory): which "
             f"checkpoint is meant is unknown; remove {INDEX_FILE} to load the torch_dist one"
         )
-    return index
 
 
-def read_pages(checkpoint_dir: str, top: PagedIndex, pages: list[Page], who: str) -> CheckpointIndex:
-    """``pages`` read from their part files, each checked against its XXH3, as one index of their records."""
+def read_page_bytes(checkpoint_dir: str, top: PagedIndex, pages: list[Page], who: str) -> list[tuple[Page, bytes]]:
+    """The bytes of ``pages``, read from their part files (checked and parsed by ``PagedIndex.whole``)."""
     by_file: dict[str, list[Page]] = {}
     for page in pages:
         by_file.setdefault(page.part_file, []).append(page)
@@ -451,13 +463,14 @@ def read_pages(checkpoint_dir: str, top: PagedIndex, pages: list[Page], who: str
         except OSError as e:
             raise FastPersistError(f"{who}: cannot read {path}: {e}") from e
         try:
-            if os.fstat(fd).st_size != top.parts[name]:
-                raise CorruptCheckpointError(f"{who}: index part file {path} has {os.fstat(fd).st_size} bytes, "
+            size = os.fstat(fd).st_size
+            if size != top.parts[name]:
+                raise CorruptCheckpointError(f"{who}: index part file {path} has {size} bytes, "
                                              f"{INDEX_FILE} says {top.parts[name]}: it is damaged")
             read.extend((p, os.pread(fd, p.length, p.offset)) for p in sorted(file_pages, key=lambda p: p.offset))
         finally:
             os.close(fd)
-    return top.whole(read, f"{who}: {checkpoint_dir}")
+    return read
 
 
 def _check_dcp_metadata(checkpoint_dir: str, index: CheckpointIndex, who: str) -> None:
