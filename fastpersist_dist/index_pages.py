@@ -29,9 +29,7 @@ from .checksum import ALGORITHM, digest_bytes
 from .coverage import record_extents
 from .errors import CorruptCheckpointError
 from .format import (
-    _AUX_FILE_RE,
     BACKEND,
-    CONTAINER_TORCH_SAVE,
     FORMAT_VERSIONS,
     KIND_OBJECT,
     KIND_TENSOR,
@@ -41,6 +39,8 @@ from .format import (
     _int,
     _int_tuple,
     check_file_name,
+    checked_body,
+    commit_fields,
     dtype_from_name,
     record_from_json,
     record_to_json,
@@ -268,24 +268,11 @@ def is_paged(doc: Any) -> bool:
 
 def parse_top(doc: dict, where: str) -> PagedIndex:
     """Validate a version-3 top level (the caller parsed the JSON); every problem raises CorruptCheckpointError."""
-    body = doc["body"]
-    if digest_bytes(_canonical(body)) != doc.get("body_xxh3_64"):
-        raise CorruptCheckpointError(f"{where}: index checksum mismatch (the index file is damaged)")
-    if body.get("format") != BACKEND:
-        raise CorruptCheckpointError(f"{where}: not a {BACKEND} index (format={body.get('format')!r})")
+    body = checked_body(doc, where)
     container = body.get("container")
     if container not in FORMAT_VERSIONS:
         raise CorruptCheckpointError(f"{where}: unknown container {container!r}")
-    if body.get("checksum_algorithm") != ALGORITHM:
-        raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
-    digest = body.get("metadata_xxh3_64")
-    if container == CONTAINER_TORCH_SAVE and not (isinstance(digest, str) and len(digest) == 16):
-        raise CorruptCheckpointError(f"{where}: metadata_xxh3_64 must be a 16-digit hex string, got {digest!r}")
-    aux = body.get("aux_files")
-    if not isinstance(aux, dict) or not all(
-        isinstance(n, str) and _AUX_FILE_RE.match(n) and isinstance(d, str) and len(d) == 16 for n, d in aux.items()
-    ):
-        raise CorruptCheckpointError(f"{where}: aux_files must map plain file names to 16-digit hex strings, got {aux!r}")
+    digest, aux = commit_fields(body, container, where)
     parts = body.get("parts")
     if not isinstance(parts, dict) or not all(isinstance(n, str) and PART_FILE_RE.match(n) for n in parts):
         raise CorruptCheckpointError(f"{where}: 'parts' must map part file names to sizes, got {parts!r}")
@@ -299,7 +286,7 @@ def parse_top(doc: dict, where: str) -> PagedIndex:
         world_size=_int(body.get("world_size"), "world_size", where, minimum=1),
         checksum_block_bytes=_int(body.get("checksum_block_bytes"), "checksum_block_bytes", where, minimum=1),
         container=container, keys=keys, parts=dict(parts),
-        metadata_xxh3_64=digest if container == CONTAINER_TORCH_SAVE else None, aux_files=dict(aux),
+        metadata_xxh3_64=digest, aux_files=aux,
     )
 
 
