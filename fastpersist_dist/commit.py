@@ -432,7 +432,7 @@ def read_index(checkpoint_dir: str, who: str, wants: Optional[dict[str, list[Box
     return top
 
 
-def check_markers(checkpoint_dir: str, index: CheckpointIndex, who: str) -> None:
+def check_markers(checkpoint_dir: str, index: Union[CheckpointIndex, PagedIndex], who: str) -> None:
     """The index goes with the commit markers beside it: its own ``.metadata``, or none for the native format."""
     if index.container == CONTAINER_TORCH_SAVE:
         _check_dcp_metadata(checkpoint_dir, index, who)
@@ -473,7 +473,7 @@ def read_page_bytes(checkpoint_dir: str, top: PagedIndex, pages: list[Page], who
     return read
 
 
-def _check_dcp_metadata(checkpoint_dir: str, index: CheckpointIndex, who: str) -> None:
+def _check_dcp_metadata(checkpoint_dir: str, index: Union[CheckpointIndex, PagedIndex], who: str) -> None:
     """The sidecar index holds only if DCP's ``.metadata`` is the one committed with it."""
     path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
     try:

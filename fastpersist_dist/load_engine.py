@@ -18,7 +18,7 @@ import math
 import pickle
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Iterable, Union
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -28,7 +28,7 @@ from .checkpoint_formats import BY_CONTAINER
 from .coverage import record_extents
 from .errors import FastPersistError
 from .format import KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, dtype_from_name
-from .index_pages import Box
+from .index_pages import Box, PagedIndex
 from .layout import Extent, intersect
 from .storage.reader import ShardReader
 
@@ -161,14 +161,14 @@ def _nbytes(view: torch.Tensor) -> int:
     return view.numel() * view.element_size()
 
 
-def tensors_metadata(index: CheckpointIndex) -> dict[str, ShardedTensor]:
-    """Global shape and dtype of every stored tensor, as data-less ShardedTensors."""
-    out: dict[str, ShardedTensor] = {}
-    for r in index.records:
-        if r.kind == KIND_TENSOR and r.key not in out:
-            meta = torch.empty(r.global_shape, dtype=dtype_from_name(r.dtype), device="meta")
-            out[r.key] = ShardedTensor.from_rank_offsets(r.key, meta).without_data()
-    return out
+def tensors_metadata(index: Union[CheckpointIndex, PagedIndex]) -> dict[str, ShardedTensor]:
+    """Global shape and dtype of every stored tensor, as data-less ShardedTensors (of a paged index: its top level)."""
+    if isinstance(index, PagedIndex):
+        shapes = {k: (e.dtype, e.global_shape) for k, e in index.keys.items() if e.kind == KIND_TENSOR}
+    else:
+        shapes = {r.key: (r.dtype, r.global_shape) for r in index.records if r.kind == KIND_TENSOR}
+    return {key: ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype_from_name(dtype), device="meta"))
+            .without_data() for key, (dtype, shape) in shapes.items()}
 
 
 def sharded_metadata(index: CheckpointIndex) -> dict[str, Any]:

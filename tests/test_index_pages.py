@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from fastpersist_dist import FastPersistSaveStrategy
+from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy
 from fastpersist_dist.bench.simulate import Layout, loader_requests, paged_index
 from fastpersist_dist.commit import read_index
 from fastpersist_dist.errors import CorruptCheckpointError
@@ -28,7 +28,7 @@ from fastpersist_dist.verify import verify_checkpoint
 
 from .helpers import save
 from .multiproc import run_ranks
-from .test_balance import TP, _dp_group, check_loaded, load, template, tp_dp_state
+from .test_balance import SHAPES, TP, _dp_group, check_loaded, load, template, tp_dp_state
 
 SMALL = {"tp": 2, "pp": 3, "layers": 6, "hidden": 256, "vocab": 512}
 
@@ -123,6 +123,8 @@ def test_a_missing_part_file_is_refused_naming_it(grouped, tmp_path):
         assert f"rank {rank}" in refused and part_file_name(1) in refused and "is missing" in refused, refused
     problems = verify_checkpoint(path).problems
     assert any(part_file_name(1) in p and "is missing" in p for p in problems), problems
+    meta = FastPersistLoadStrategy().load_tensors_metadata(path)  # from the top level alone: no part file read
+    assert {k: m.global_shape for k, m in meta.items()} == SHAPES
 
 
 def _load_only(rank: int, world: int, root: str) -> None:
