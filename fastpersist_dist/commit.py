@@ -2,16 +2,18 @@
 
 1. Before any data is written, rank 0 removes the old commit markers (our index
    and DCP's ``.metadata``), fsyncs the directory, then removes every stale data
-   file of either format: a crash from here on leaves a directory that is
+   file of either format and the index part files: a crash from here on leaves a directory that is
    recognisably incomplete, never old and new files mixed.
 2. Each writer streams its data file, fsyncs it, checks its size, reads
    sampled blocks back from the device and leaves a status file (records +
    checksums, or the error). The writer may run in another process (async
    save), so the status file is the hand-over.
-3. At finalize every rank sends its status to rank 0. Only if all succeeded does
-   rank 0 commit, each file as temp file, fsync, rename, fsync of the directory:
+3. At finalize every rank sends its status to the first rank of its planning
+   group, which commits the group's index part file (``index_pages``) and
+   sends rank 0 only its page entries. Only if all succeeded does rank 0
+   commit, each file as temp file, fsync, rename, fsync of the directory:
    first auxiliary files (``common.pt`` where megatron-core 0.19 leaves it to us),
-   then the index,
+   then the top-level index,
    then, for the ``torch_dist`` format, DCP's ``.metadata``: the format's marker
    comes last.
    The outcome is broadcast, so every rank raises the same error or none. A
@@ -32,7 +34,7 @@ import os
 import socket
 import traceback
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
@@ -46,10 +48,24 @@ from .format import (
     INDEX_FILE,
     STATUS_FILE_RE,
     CheckpointIndex,
+    ShardRecord,
     is_data_file,
     record_from_json,
     record_to_json,
     status_file_name,
+)
+from .index_pages import (
+    PART_FILE_RE,
+    Box,
+    Page,
+    PagedIndex,
+    build_part,
+    is_paged,
+    key_kinds,
+    parse_top,
+    part_file_name,
+    select_pages,
+    top_level,
 )
 from .storage.writer import WriteItem, WriteResult, write_rank_file
 
@@ -160,7 +176,7 @@ MARKERS = (DCP_METADATA_FILE, INDEX_FILE)  # removed first when overwriting, whi
 
 
 def invalidate(checkpoint_dir: str) -> None:
-    """Remove the commit markers first, then every stale data, status and temp file (see step 1).
+    """Remove the commit markers first, then every stale data, index part, status and temp file (see step 1).
 
     Data files of both formats go: a stock ``torch_dist`` checkpoint overwritten
     by us leaves no ``.distcp`` file of its own behind. ``common.pt`` stays:
@@ -173,7 +189,7 @@ def invalidate(checkpoint_dir: str) -> None:
         fsync_dir(checkpoint_dir)
         logger.debug("fastpersist: overwriting the checkpoint in %s; removed %s first", checkpoint_dir, removed)
     for name in os.listdir(checkpoint_dir):
-        if is_data_file(name) or STATUS_FILE_RE.match(name) or name.endswith(TMP_SUFFIX):
+        if is_data_file(name) or PART_FILE_RE.match(name) or STATUS_FILE_RE.match(name) or name.endswith(TMP_SUFFIX):
             os.unlink(os.path.join(checkpoint_dir, name))
     fsync_dir(checkpoint_dir)
 
@@ -221,23 +237,39 @@ def read_status(checkpoint_dir: str, rank: int, fmt: CheckpointFormat) -> dict[s
         return {"ok": False, "error": f"the writer of {data} left no readable status {path} ({e}); did it crash?"}
 
 
-def build_index(
-    statuses: list[dict[str, Any]], block_bytes: int, checkpoint_dir: str, fmt: CheckpointFormat,
-    aux_files: Optional[dict[str, bytes]] = None,
-) -> CheckpointIndex:
-    """Merge every rank's records into one validated index (without the ``.metadata`` digest yet)."""
-    files = {}
+def _validated_records(statuses: list[dict[str, Any]], block_bytes: int, where: str,
+                       fmt: CheckpointFormat) -> tuple[list[ShardRecord], dict[str, int]]:
+    """Every record of ``statuses`` checked against the format's invariants, and the sizes of their files."""
+    files: dict[str, int] = {}
     for st in statuses:
         for r in st["records"]:
             files[r["file"]] = files.get(r["file"], 0) + r["length"]
-    records = tuple(
-        record_from_json(r, f"status of {checkpoint_dir}", files, block_bytes, fmt.container)
-        for st in statuses for r in st["records"]
-    )
-    return CheckpointIndex(
-        world_size=len(statuses), checksum_block_bytes=block_bytes, files=files, records=records,
-        container=fmt.container, aux_files={n: digest_bytes(b) for n, b in (aux_files or {}).items()},
-    )
+    records = [record_from_json(r, where, files, block_bytes, fmt.container) for st in statuses for r in st["records"]]
+    return records, files
+
+
+def _commit_part(checkpoint_dir: str, ranks: list[int], statuses: list[dict[str, Any]], block_bytes: int,
+                 fmt: CheckpointFormat) -> dict[str, Any]:
+    """The group leader's step: build, validate and commit its group's part file; report only page entries."""
+    group = min(ranks)
+    report: dict[str, Any] = {"ranks": ranks, "failures": [f"rank {r}: {st['error']}"
+                                                          for r, st in zip(ranks, statuses) if not st.get("ok")]}
+    if report["failures"]:
+        return report
+    name = part_file_name(group)
+    try:
+        records, files = _validated_records(statuses, block_bytes, f"rank {ranks[0]}: status of {checkpoint_dir}", fmt)
+        data, pages = build_part(records, group, files, fmt.container)
+        _commit_file(checkpoint_dir, name, data)
+    except FastPersistError as e:
+        report["failures"] = [f"rank {ranks[0]}: {e}"]
+        return report
+    except Exception as e:  # noqa: BLE001 - reported on every rank
+        report["failures"] = [f"rank {ranks[0]}: committing {name} failed: {type(e).__name__}: {e}"]
+        return report
+    report.update(part=(name, len(data)), pages=pages, kinds=key_kinds(records),
+                  nbytes=[st["nbytes"] for st in statuses], seconds=max(st["seconds"] for st in statuses))
+    return report
 
 
 def _commit_file(checkpoint_dir: str, name: str, data: bytes) -> None:
@@ -247,14 +279,28 @@ def _commit_file(checkpoint_dir: str, name: str, data: bytes) -> None:
         raise FastPersistError(f"committing {name} failed: {type(e).__name__}: {e}") from e
 
 
-def commit(checkpoint_dir: str, index: CheckpointIndex, fmt: CheckpointFormat, aux_files: dict[str, bytes]) -> None:
-    """Write the auxiliary files, the index, and the format's marker last (see step 3)."""
+def _commit_top(checkpoint_dir: str, reports: list[dict[str, Any]], world: int, block_bytes: int,
+                fmt: CheckpointFormat, aux_files: dict[str, bytes]) -> None:
+    """Rank 0's step, from the groups' page entries only: auxiliary files, the top level, the marker last.
+
+    For ``torch_dist``, DCP's ``.metadata`` needs every chunk (torch's format): it is
+    built from the committed part files, read back one group at a time.
+    """
+    reported = sorted(r for rep in reports for r in rep["ranks"])
+    if reported != list(range(world)):
+        raise FastPersistError(f"the planning groups' ranks {reported} do not partition the world of {world} ranks "
+                               "(every rank must pass the parallel_group it belongs to)")
+    kinds = {k: v for rep in reports for k, v in rep["kinds"].items()}
+    index = top_level([p for rep in reports for p in rep["pages"]], kinds, dict(rep["part"] for rep in reports),
+                      world, block_bytes, fmt.container, {n: digest_bytes(b) for n, b in aux_files.items()})
     for name, data in aux_files.items():
         _commit_file(checkpoint_dir, name, data)
     if fmt.marker == INDEX_FILE:
         _commit_file(checkpoint_dir, INDEX_FILE, index.to_json_bytes())
         return
-    metadata = metadata_bytes(list(index.records), checkpoint_dir)
+    records = (r for name in sorted(index.parts) for r in index.whole(read_page_bytes(
+        checkpoint_dir, index, [p for p in index.pages if p.part_file == name], "rank 0"), "rank 0").records)
+    metadata = metadata_bytes(records, checkpoint_dir)
     index = replace(index, metadata_xxh3_64=digest_bytes(metadata))
     _commit_file(checkpoint_dir, INDEX_FILE, index.to_json_bytes())
     _commit_file(checkpoint_dir, fmt.marker, metadata)
@@ -262,35 +308,50 @@ def commit(checkpoint_dir: str, index: CheckpointIndex, fmt: CheckpointFormat, a
 
 def finalize_save(
     checkpoint_dir: str, block_bytes: int, fmt: CheckpointFormat, aux_files: Optional[dict[str, bytes]] = None,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> None:
     """Collective: commit if every rank wrote its file, else raise everywhere.
 
-    ``aux_files`` (rank 0 only; name -> bytes) are committed with the checkpoint.
+    Statuses are gathered within the planning ``group`` (default: the world);
+    its first rank commits the group's part file and sends rank 0 only page
+    entries, so no rank holds every record. ``aux_files`` (rank 0 only;
+    name -> bytes) are committed with the checkpoint.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
+    leader = ranks[0]
     status = read_status(checkpoint_dir, rank, fmt)
     committed = False
     outcome: list[Any] = [None]
     try:
-        gathered: Optional[list] = [None] * world if rank == 0 else None
+        statuses: Optional[list] = [None] * len(ranks) if rank == leader else None
         try:
-            dist.gather_object(status, gathered, dst=0)
+            dist.gather_object(status, statuses, dst=leader, group=group)
         except RuntimeError as e:  # torch's DistError family: a rank died or timed out
-            raise _peer_failure(checkpoint_dir, rank, "gathering every rank's write status", e, False) from e
+            raise _peer_failure(checkpoint_dir, rank, "gathering the planning group's write statuses", e, False) from e
+        report = None
+        if rank == leader:
+            assert statuses is not None
+            report = _commit_part(checkpoint_dir, ranks, statuses, block_bytes, fmt)
+        reports: Optional[list] = [None] * world if rank == 0 else None
+        try:
+            dist.gather_object(report, reports, dst=0)
+        except RuntimeError as e:
+            raise _peer_failure(checkpoint_dir, rank, "gathering the groups' part files", e, False) from e
         if rank == 0:
-            assert gathered is not None
-            failures = [f"rank {r}: {st['error']}" for r, st in enumerate(gathered) if not st.get("ok")]
+            assert reports is not None
+            reports = [rep for rep in reports if rep is not None]
+            failures = [f for rep in reports for f in rep["failures"]]
             if not failures:
                 try:
-                    index = build_index(gathered, block_bytes, checkpoint_dir, fmt, aux_files)
-                    commit(checkpoint_dir, index, fmt, aux_files or {})
+                    _commit_top(checkpoint_dir, reports, world, block_bytes, fmt, aux_files or {})
                     committed = True
                 except FastPersistError as e:  # reported on every rank below
                     failures = [f"rank 0: {e}"]
                 except Exception as e:  # noqa: BLE001 - reported on every rank below
                     failures = [f"rank 0: committing the checkpoint failed: {type(e).__name__}: {e}"]
                 if committed:
-                    _log_summary(checkpoint_dir, gathered)
+                    _log_summary(checkpoint_dir, reports)
             outcome = [failures]
         try:
             dist.broadcast_object_list(outcome, src=0)
@@ -300,6 +361,8 @@ def finalize_save(
         _unlink_quietly(os.path.join(checkpoint_dir, status_file_name(rank)))
     if outcome[0]:
         _unlink_quietly(os.path.join(checkpoint_dir, fmt.data_file(rank)))  # every record of a rank is in its file
+        if rank == leader:
+            _unlink_quietly(os.path.join(checkpoint_dir, part_file_name(min(ranks))))
         raise SaveFailedError(
             f"checkpoint {checkpoint_dir} was NOT saved; nothing was committed and the data files were removed. "
             + " | ".join(outcome[0])
@@ -320,19 +383,19 @@ def _peer_failure(checkpoint_dir: str, rank: int, step: str, error: BaseExceptio
     )
 
 
-def _log_summary(checkpoint_dir: str, statuses: list[dict[str, Any]]) -> None:
-    total = sum(st["nbytes"] for st in statuses)
-    slowest = max(st["seconds"] for st in statuses)
+def _log_summary(checkpoint_dir: str, reports: list[dict[str, Any]]) -> None:
+    per_rank = [n for rep in reports for n in rep["nbytes"]]
+    total, slowest = sum(per_rank), max(rep["seconds"] for rep in reports)
     logger.info(
-        "fastpersist: committed %s: %.3f GiB from %d ranks, slowest writer %.2f s (%.2f GiB/s aggregate); "
-        "bytes per rank: %s",
-        checkpoint_dir, total / 2**30, len(statuses), slowest, total / 2**30 / max(slowest, 1e-9),
-        [st["nbytes"] for st in statuses],
+        "fastpersist: committed %s: %.3f GiB from %d ranks in %d planning groups, slowest writer %.2f s "
+        "(%.2f GiB/s aggregate); bytes per rank: %s",
+        checkpoint_dir, total / 2**30, len(per_rank), len(reports), slowest, total / 2**30 / max(slowest, 1e-9),
+        per_rank,
     )
 
 
-def read_index(checkpoint_dir: str, who: str) -> CheckpointIndex:
-    """The committed index, or an error saying why this directory cannot be loaded.
+def read_top(checkpoint_dir: str, who: str) -> Union[PagedIndex, CheckpointIndex]:
+    """The committed top level (version 3) or whole index (versions 1 and 2), or why there is none.
 
     ``who`` (e.g. "rank 3") starts every message.
     """
@@ -347,20 +410,70 @@ def read_index(checkpoint_dir: str, who: str) -> CheckpointIndex:
         ) from None
     except OSError as e:
         raise FastPersistError(f"{who}: cannot read {path}: {e}") from e
-    index = CheckpointIndex.from_json_bytes(data, path)
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        doc = None  # from_json_bytes says what is wrong
+    return parse_top(doc, f"{who}: {path}") if is_paged(doc) else CheckpointIndex.from_json_bytes(data, path)
+
+
+def read_index(checkpoint_dir: str, who: str, wants: Optional[dict[str, list[Box]]] = None) -> CheckpointIndex:
+    """The committed index, or an error saying why this directory cannot be loaded.
+
+    For a version-3 (paged) index, ``wants`` (key -> requested boxes) reads only
+    the pages meeting them; None reads every page. Versions 1 and 2 are one
+    file, always read whole.
+    """
+    top = read_top(checkpoint_dir, who)
+    if isinstance(top, PagedIndex):
+        pages = top.pages if wants is None else select_pages(top, wants)
+        top = top.whole(read_page_bytes(str(checkpoint_dir), top, pages, who), f"{who}: {checkpoint_dir}")
+    check_markers(str(checkpoint_dir), top, who)
+    return top
+
+
+def check_markers(checkpoint_dir: str, index: Union[CheckpointIndex, PagedIndex], who: str) -> None:
+    """The index goes with the commit markers beside it: its own ``.metadata``, or none for the native format."""
     if index.container == CONTAINER_TORCH_SAVE:
-        _check_dcp_metadata(str(checkpoint_dir), index, who)
-    elif os.path.lexists(os.path.join(str(checkpoint_dir), DCP_METADATA_FILE)):
+        _check_dcp_metadata(checkpoint_dir, index, who)
+    elif os.path.lexists(os.path.join(checkpoint_dir, DCP_METADATA_FILE)):
         # Our saves remove both markers first, so this .metadata came later, from another writer.
         raise CorruptCheckpointError(
             f"{who}: {checkpoint_dir} holds a native {INDEX_FILE} and a torch DCP {DCP_METADATA_FILE} written "
             "after it by another writer (e.g. megatron's own torch_dist save into the same directory): which "
             f"checkpoint is meant is unknown; remove {INDEX_FILE} to load the torch_dist one"
         )
-    return index
 
 
-def _check_dcp_metadata(checkpoint_dir: str, index: CheckpointIndex, who: str) -> None:
+def read_page_bytes(checkpoint_dir: str, top: PagedIndex, pages: list[Page], who: str) -> list[tuple[Page, bytes]]:
+    """The bytes of ``pages``, read from their part files (checked and parsed by ``PagedIndex.whole``)."""
+    by_file: dict[str, list[Page]] = {}
+    for page in pages:
+        by_file.setdefault(page.part_file, []).append(page)
+    read: list[tuple[Page, bytes]] = []
+    for name, file_pages in sorted(by_file.items()):
+        path = os.path.join(checkpoint_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{who}: index part file {path} listed in {INDEX_FILE} is missing "
+                f"(it holds the records of '{file_pages[0].key}'): this checkpoint is damaged"
+            ) from None
+        except OSError as e:
+            raise FastPersistError(f"{who}: cannot read {path}: {e}") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size != top.parts[name]:
+                raise CorruptCheckpointError(f"{who}: index part file {path} has {size} bytes, "
+                                             f"{INDEX_FILE} says {top.parts[name]}: it is damaged")
+            read.extend((p, os.pread(fd, p.length, p.offset)) for p in sorted(file_pages, key=lambda p: p.offset))
+        finally:
+            os.close(fd)
+    return read
+
+
+def _check_dcp_metadata(checkpoint_dir: str, index: Union[CheckpointIndex, PagedIndex], who: str) -> None:
     """The sidecar index holds only if DCP's ``.metadata`` is the one committed with it."""
     path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 import uuid
-from typing import Union
+from typing import Iterable, Union
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -52,7 +52,7 @@ def stored_box(record: ShardRecord) -> Extent:
     return extents[0]
 
 
-def build_metadata(records: list[ShardRecord], checkpoint_dir: str) -> Metadata:
+def build_metadata(records: Iterable[ShardRecord], checkpoint_dir: str) -> Metadata:
     """The DCP ``Metadata`` describing ``records`` (placed in their files, with their framing)."""
     state: dict[str, Union[TensorStorageMetadata, BytesStorageMetadata]] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
@@ -75,6 +75,6 @@ def build_metadata(records: list[ShardRecord], checkpoint_dir: str) -> Metadata:
     )
 
 
-def metadata_bytes(records: list[ShardRecord], checkpoint_dir: str) -> bytes:
+def metadata_bytes(records: Iterable[ShardRecord], checkpoint_dir: str) -> bytes:
     """``.metadata`` as torch's ``FileSystemWriter.finish`` pickles it."""
     return pickle.dumps(build_metadata(records, checkpoint_dir))

@@ -181,13 +181,7 @@ class CheckpointIndex:
             doc = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
             raise CorruptCheckpointError(f"{where}: index is not valid JSON: {e}") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
-            raise CorruptCheckpointError(f"{where}: index has no 'body' object")
-        body = doc["body"]
-        if digest_bytes(_canonical(body)) != doc.get("body_xxh3_64"):
-            raise CorruptCheckpointError(f"{where}: index checksum mismatch (the index file is damaged)")
-        if body.get("format") != BACKEND:
-            raise CorruptCheckpointError(f"{where}: not a {BACKEND} index (format={body.get('format')!r})")
+        body = checked_body(doc, where)
         version = body.get("format_version")
         if version not in FORMAT_VERSIONS.values():
             raise FastPersistError(
@@ -197,16 +191,7 @@ class CheckpointIndex:
         container = body.get("container", CONTAINER_RAW)
         if FORMAT_VERSIONS.get(container) != version:
             raise CorruptCheckpointError(f"{where}: container {container!r} does not go with format version {version}")
-        digest = body.get("metadata_xxh3_64")
-        if container == CONTAINER_TORCH_SAVE and not (isinstance(digest, str) and len(digest) == 16):
-            raise CorruptCheckpointError(f"{where}: metadata_xxh3_64 must be a 16-digit hex string, got {digest!r}")
-        aux = body.get("aux_files", {})
-        if not isinstance(aux, dict) or not all(
-            isinstance(n, str) and _AUX_FILE_RE.match(n) and isinstance(d, str) and len(d) == 16 for n, d in aux.items()
-        ):
-            raise CorruptCheckpointError(f"{where}: aux_files must map plain file names to 16-digit hex strings, got {aux!r}")
-        if body.get("checksum_algorithm") != ALGORITHM:
-            raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
+        digest, aux = commit_fields(body, container, where)
         block = _int(body.get("checksum_block_bytes"), "checksum_block_bytes", where, minimum=1)
         files = body.get("files")
         if not isinstance(files, dict):
@@ -224,9 +209,36 @@ class CheckpointIndex:
             files=dict(files),
             records=records,
             container=container,
-            metadata_xxh3_64=digest if container == CONTAINER_TORCH_SAVE else None,
-            aux_files=dict(aux),
+            metadata_xxh3_64=digest,
+            aux_files=aux,
         )
+
+
+def checked_body(doc: Any, where: str) -> dict:
+    """The body of a parsed index document (any version), once its checksum and format name hold."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
+        raise CorruptCheckpointError(f"{where}: index has no 'body' object")
+    body = doc["body"]
+    if digest_bytes(_canonical(body)) != doc.get("body_xxh3_64"):
+        raise CorruptCheckpointError(f"{where}: index checksum mismatch (the index file is damaged)")
+    if body.get("format") != BACKEND:
+        raise CorruptCheckpointError(f"{where}: not a {BACKEND} index (format={body.get('format')!r})")
+    return body
+
+
+def commit_fields(body: dict, container: str, where: str) -> tuple[Optional[str], dict[str, str]]:
+    """The ``.metadata`` digest (``torch_save`` only, else None) and the aux file digests, checked with the algorithm."""
+    digest = body.get("metadata_xxh3_64")
+    if container == CONTAINER_TORCH_SAVE and not (isinstance(digest, str) and len(digest) == 16):
+        raise CorruptCheckpointError(f"{where}: metadata_xxh3_64 must be a 16-digit hex string, got {digest!r}")
+    aux = body.get("aux_files", {})
+    if not isinstance(aux, dict) or not all(
+        isinstance(n, str) and _AUX_FILE_RE.match(n) and isinstance(d, str) and len(d) == 16 for n, d in aux.items()
+    ):
+        raise CorruptCheckpointError(f"{where}: aux_files must map plain file names to 16-digit hex strings, got {aux!r}")
+    if body.get("checksum_algorithm") != ALGORITHM:
+        raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {body.get('checksum_algorithm')!r}")
+    return (digest if container == CONTAINER_TORCH_SAVE else None), dict(aux)
 
 
 def _canonical(body: dict) -> bytes:

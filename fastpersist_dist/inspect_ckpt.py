@@ -24,6 +24,7 @@ from .format import (
     ShardRecord,
     is_data_file,
 )
+from .index_pages import PART_FILE_RE
 from .wording import counted
 
 WHO = "inspect"
@@ -109,7 +110,8 @@ def _our_files(checkpoint_dir: str, names: list[str]) -> dict[str, int]:
     """Sizes of the data, status and index files present, whatever the index says (it may be missing)."""
     ours = {}
     for name in sorted(names):
-        if is_data_file(name) or STATUS_FILE_RE.match(name) or name.startswith(INDEX_FILE) or name == DCP_METADATA_FILE:
+        if (is_data_file(name) or STATUS_FILE_RE.match(name) or name.startswith(INDEX_FILE) or PART_FILE_RE.match(name)
+                or name == DCP_METADATA_FILE):
             try:
                 ours[name] = os.path.getsize(os.path.join(checkpoint_dir, name))
             except OSError:

@@ -18,7 +18,7 @@ import math
 import pickle
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterable, Union
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -28,6 +28,7 @@ from .checkpoint_formats import BY_CONTAINER
 from .coverage import record_extents
 from .errors import FastPersistError
 from .format import KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, dtype_from_name
+from .index_pages import Box, PagedIndex
 from .layout import Extent, intersect
 from .storage.reader import ShardReader
 
@@ -142,18 +143,32 @@ class Loader:
         return self.fmt.object_from_loaded(loaded, where)
 
 
+def requested_boxes(items: Iterable[Any]) -> dict[str, list[Box]]:
+    """Key -> the global boxes requested (an object: its cell), to read only the index pages meeting them."""
+    wants: dict[str, list[Box]] = defaultdict(list)
+    for item in items:
+        if isinstance(item, ShardedTensor):
+            low = tuple(item.global_offset)
+            shape = (1,) * item.prepend_axis_num + tuple(item.local_shape)
+            wants[item.key].append((low, tuple(o + n for o, n in zip(low, shape))))
+        elif isinstance(item, ShardedObject):
+            low = tuple(item.global_offset)
+            wants[item.key].append((low, tuple(o + 1 for o in low)))
+    return dict(wants)
+
+
 def _nbytes(view: torch.Tensor) -> int:
     return view.numel() * view.element_size()
 
 
-def tensors_metadata(index: CheckpointIndex) -> dict[str, ShardedTensor]:
-    """Global shape and dtype of every stored tensor, as data-less ShardedTensors."""
-    out: dict[str, ShardedTensor] = {}
-    for r in index.records:
-        if r.kind == KIND_TENSOR and r.key not in out:
-            meta = torch.empty(r.global_shape, dtype=dtype_from_name(r.dtype), device="meta")
-            out[r.key] = ShardedTensor.from_rank_offsets(r.key, meta).without_data()
-    return out
+def tensors_metadata(index: Union[CheckpointIndex, PagedIndex]) -> dict[str, ShardedTensor]:
+    """Global shape and dtype of every stored tensor, as data-less ShardedTensors (of a paged index: its top level)."""
+    if isinstance(index, PagedIndex):
+        shapes = {k: (e.dtype, e.global_shape) for k, e in index.keys.items() if e.kind == KIND_TENSOR}
+    else:
+        shapes = {r.key: (r.dtype, r.global_shape) for r in index.records if r.kind == KIND_TENSOR}
+    return {key: ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype_from_name(dtype), device="meta"))
+            .without_data() for key, (dtype, shape) in shapes.items()}
 
 
 def sharded_metadata(index: CheckpointIndex) -> dict[str, Any]:

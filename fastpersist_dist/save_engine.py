@@ -203,7 +203,7 @@ class SaveEngine:
         agree(prep_error, what)
         phases.mark("invalidate")
         finalize: list[Callable[[], None]] = [
-            partial(finalize_save, ckpt, self.config.checksum_block_bytes, self.fmt, aux_files)
+            partial(finalize_save, ckpt, self.config.checksum_block_bytes, self.fmt, aux_files, self.group)
         ]
         if not snapshot:
             to_host_bytes(staged)

@@ -13,9 +13,11 @@ import os
 from dataclasses import dataclass, field
 
 from . import progress
-from .commit import read_index
+from .commit import check_markers, read_page_bytes, read_top
 from .coverage import coverage_errors
 from .errors import FastPersistError
+from .format import CheckpointIndex
+from .index_pages import PagedIndex
 from .inspect_ckpt import format_problems, metadata_backend
 from .storage.reader import ShardReader
 
@@ -45,7 +47,9 @@ def verify_checkpoint(checkpoint_dir: str) -> VerifyReport:
     backend, _, problems = metadata_backend(checkpoint_dir)
     report = VerifyReport(checkpoint_dir, problems=problems)
     try:
-        index = read_index(checkpoint_dir, WHO)
+        top = read_top(checkpoint_dir, WHO)
+        index = _all_parts(checkpoint_dir, top, report.problems) if isinstance(top, PagedIndex) else top
+        check_markers(checkpoint_dir, index, WHO)
     except FastPersistError as e:
         report.problems.append(str(e))
         return report
@@ -76,3 +80,17 @@ def verify_checkpoint(checkpoint_dir: str) -> VerifyReport:
                 report.problems.append(str(e))
     report.problems.extend(f"{checkpoint_dir}: {p}" for p in coverage_errors(list(index.records)))
     return report
+
+
+def _all_parts(checkpoint_dir: str, top: PagedIndex, problems: list[str]) -> CheckpointIndex:
+    """Every page of every index part file, one part at a time; a damaged part is a problem, the rest is checked."""
+    good = []
+    for name in sorted(top.parts):
+        try:
+            pages = read_page_bytes(checkpoint_dir, top, [p for p in top.pages if p.part_file == name], WHO)
+            top.whole(pages, f"{WHO}: {checkpoint_dir}")  # each page checked and parsed
+        except FastPersistError as e:
+            problems.append(str(e))
+            continue
+        good += pages
+    return top.whole(good, f"{WHO}: {checkpoint_dir}")

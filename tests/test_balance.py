@@ -14,7 +14,9 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from fastpersist_dist import FastPersistSaveStrategy
 from fastpersist_dist.async_queue import AsyncSaveQueue
+from fastpersist_dist.commit import read_index
 from fastpersist_dist.format import INDEX_FILE, data_file_name
+from fastpersist_dist.index_pages import PART_FILE_RE, part_file_name
 from fastpersist_dist.verify import verify_checkpoint
 
 from .helpers import (
@@ -102,18 +104,17 @@ def test_tp2_dp2_every_rank_writes_its_share_and_loads_reshard(tmp_path):
     root = str(tmp_path)
     reused = run_ranks(TP * DP, _save_twice_and_load, root)
     assert reused == [[False, True]] * (TP * DP)
-    with open(os.path.join(root, "b", INDEX_FILE)) as f:
-        body = json.load(f)["body"]
-    sizes = [body["files"][data_file_name(r)] for r in range(TP * DP)]
+    index = read_index(os.path.join(root, "b"), "test")
+    sizes = [index.files[data_file_name(r)] for r in range(TP * DP)]
     assert max(sizes) / (sum(sizes) / len(sizes)) <= 1.10, sizes  # 1 MiB split granularity on 11 MiB per rank
     writers = {}
-    for r in body["records"]:
-        writers.setdefault(r["key"], set()).add(r["file"])
-        if r["key"] == "rank_obj":
-            assert r["file"] == data_file_name(r["global_offset"][0])
+    for r in index.records:
+        writers.setdefault(r.key, set()).add(r.file)
+        if r.key == "rank_obj":
+            assert r.file == data_file_name(r.global_offset[0])
     assert len(writers["huge"]) == TP * DP  # replicated on all four ranks: all four write a piece
     assert len(writers["emb"]) == DP * TP and len(writers["uneven"]) >= DP
-    assert any(r["flattened_range"] for r in body["records"] if r["key"] == "uneven")
+    assert any(r.flattened_range for r in index.records if r.key == "uneven")
     report = verify_checkpoint(os.path.join(root, "b"))
     assert report.ok, report.problems
     run_ranks(2, _load_other_sharding, root)
@@ -128,11 +129,10 @@ def _unbalanced(rank: int, world: int, root: str) -> None:
 def test_without_balance_only_main_replicas_write(tmp_path):
     path = str(tmp_path / "c")
     run_ranks(TP * DP, _unbalanced, path)
-    with open(os.path.join(path, INDEX_FILE)) as f:
-        body = json.load(f)["body"]
-    assert all(r["flattened_range"] is None for r in body["records"])
+    records = read_index(path, "test").records
+    assert all(r.flattened_range is None for r in records)
     second_dp_rank = {data_file_name(r) for r in range(TP, TP * DP)}
-    assert {r["key"] for r in body["records"] if r["file"] in second_dp_rank} == {"rank_obj"}  # nothing replicated
+    assert {r.key for r in records if r.file in second_dp_rank} == {"rank_obj"}  # nothing replicated
 
 
 def _async_balanced(rank: int, world: int, path: str) -> None:
@@ -174,19 +174,26 @@ def test_dp_groups_are_planned_apart(tmp_path, checkpoint_format):
     root = str(tmp_path)
     assert run_ranks(TP * DP, _save_in_dp_groups, root, checkpoint_format) == [True] * (TP * DP)
     path = os.path.join(root, "b")
-    with open(os.path.join(path, INDEX_FILE)) as f:
-        body = json.load(f)["body"]
-    writer = {data_file_name(r, body.get("container", "raw")): r for r in range(TP * DP)}
+    index = read_index(path, "test")
+    writer = {data_file_name(r, index.container): r for r in range(TP * DP)}
     groups_writing: dict = {}
-    for r in body["records"]:
-        groups_writing.setdefault((r["key"], tuple(r["global_offset"])), set()).add(writer[r["file"]] % TP)
+    for r in index.records:
+        groups_writing.setdefault((r.key, r.global_offset), set()).add(writer[r.file] % TP)
     assert all(len(g) == 1 for g in groups_writing.values()), groups_writing  # a shard is planned in one group
     for key in ("qkv", "proj", "emb", "uneven"):  # each group writes its own tensor-parallel slice
         assert set().union(*(g for (k, _), g in groups_writing.items() if k == key)) == {0, 1}, key
     assert groups_writing[("huge", (0,))] == groups_writing[("ln", (0,))] == {0}  # main replica on rank 0
-    huge_writers = {writer[r["file"]] for r in body["records"] if r["key"] == "huge"}
+    huge_writers = {writer[r.file] for r in index.records if r.key == "huge"}
     assert huge_writers == {0, 2}  # split over the DP group of its main replica, not over the world
-    sizes = [body["files"].get(data_file_name(r, body.get("container", "raw")), 0) for r in range(TP * DP)]
+    sizes = [index.files.get(data_file_name(r, index.container), 0) for r in range(TP * DP)]
+    parts = sorted(n for n in os.listdir(path) if PART_FILE_RE.match(n))
+    assert parts == [part_file_name(0), part_file_name(1)]  # one index part per DP group, by its first rank
+    with open(os.path.join(path, INDEX_FILE), "rb") as f:
+        top = json.load(f)["body"]
+    for t, name in enumerate(parts):  # each group's pages make up its part file
+        assert top["format_version"] == 3 and name in top["parts"]
+        group_pages = [p for e in top["keys"].values() for p in e["pages"] if p[0] == t]
+        assert group_pages and sum(p[4] for p in group_pages) == os.path.getsize(os.path.join(path, name))
     for t in range(TP):  # balanced within each group (1 MiB split granularity)
         group = sizes[t::TP]
         assert max(group) / (sum(group) / len(group)) <= 1.10, sizes

@@ -99,7 +99,7 @@ def test_inspect_uncommitted_and_damaged(good_ckpt, tmp_path):
     index = os.path.join(path, INDEX_FILE)
     with open(index, "r+b") as f:  # one flipped digit inside the index body
         data = f.read()
-        f.seek(data.index(b'"world_size": 2') + len(b'"world_size": '))
+        f.seek(data.index(b'"world_size":2') + len(b'"world_size":'))
         f.write(b"3")
     report = inspect_checkpoint(path)
     assert (report.index, report.committed, report.ok) == ("invalid", False, False)

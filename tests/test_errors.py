@@ -23,7 +23,9 @@ from fastpersist_dist import (
     IncompleteCheckpointError,
     SaveFailedError,
 )
-from fastpersist_dist.format import INDEX_FILE, CheckpointIndex, data_file_name
+from fastpersist_dist.commit import read_index
+from fastpersist_dist.format import INDEX_FILE, data_file_name
+from fastpersist_dist.index_pages import part_file_name
 
 from .helpers import assert_same, global_tensor, load, save, sharded
 from .multiproc import run_ranks
@@ -90,11 +92,10 @@ def _load_whole(rank: int, world: int, path: str, salt: int, shape: tuple[int, i
 def test_overwrite_leaves_no_stale_bytes_or_files(tmp_path):
     path = str(tmp_path / "ckpt")
     run_ranks(4, _save_layout, path, 1, 64)
-    assert _files(path) == [INDEX_FILE] + [data_file_name(r) for r in range(4)]
+    assert _files(path) == sorted([INDEX_FILE, part_file_name(0)] + [data_file_name(r) for r in range(4)])
     run_ranks(2, _save_layout, path, 2, 8)
-    assert _files(path) == [INDEX_FILE] + [data_file_name(r) for r in range(2)]
-    with open(os.path.join(path, INDEX_FILE), "rb") as f:
-        index = CheckpointIndex.from_json_bytes(f.read(), "test")
+    assert _files(path) == sorted([INDEX_FILE, part_file_name(0)] + [data_file_name(r) for r in range(2)])
+    index = read_index(path, "test")
     for name, size in index.files.items():
         assert os.path.getsize(os.path.join(path, name)) == size
         assert sum(r.length for r in index.records if r.file == name and r.kind == "tensor") == 4 * 8 * 4
@@ -132,8 +133,7 @@ def test_o_direct_refused_falls_back_to_identical_bytes(tmp_path):
         with open(f"{path}/fallback0/{data_file_name(r)}", "rb") as a, open(f"{path}/direct/{data_file_name(r)}", "rb") as b:
             assert a.read() == b.read()
     for name in ("fallback0", "direct"):
-        with open(f"{path}/{name}/{INDEX_FILE}", "rb") as f:
-            index = CheckpointIndex.from_json_bytes(f.read(), name)
+        index = read_index(f"{path}/{name}", name)
         assert [r.checksums for r in index.records]
     run_ranks(1, _load_whole, f"{path}/fallback1", 0, (64, 1000))
 
@@ -208,7 +208,7 @@ def test_damaged_index_is_refused(tmp_path):
     index_path = os.path.join(path, INDEX_FILE)
     with open(index_path) as f:
         doc = json.load(f)
-    doc["body"]["records"][0]["offset"] += 4  # a silent edit: the body checksum no longer matches
+    doc["body"]["world_size"] += 1  # a silent edit: the body checksum no longer matches
     with open(index_path, "w") as f:
         json.dump(doc, f)
     run_ranks(1, _load_expect, path, CorruptCheckpointError, "index checksum mismatch")

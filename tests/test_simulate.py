@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fastpersist_dist.bench.simulate import Layout, format_table, placed_index_records, simulate
+from fastpersist_dist.bench.simulate import Layout, format_table, paged_index, placed_index_records, simulate
 from fastpersist_dist.coverage import coverage_errors
 from fastpersist_dist.plan import PlanCache
 
@@ -41,6 +41,12 @@ def test_groups_planned_apart_store_every_element_once(dist_opt):
     assert row["group_recv_mib"] < row["world_recv_mib"]
     assert row["group_again_recv_kib"] * 1024 < row["group_recv_mib"] * 2**20
     assert 0 < row["parts_read_mib"] < row["index_mib"]
+    # The paged index of the groups run, extrapolated to the like groups, is that of every group committed.
+    top, parts = paged_index(layout)
+    whole = len(top.to_json_bytes()) + sum(map(len, parts.values()))
+    assert abs(row["paged_mib"] * 2**20 - whole) < 0.02 * whole, (row["paged_mib"] * 2**20, whole)
+    assert abs(row["parts_top_mib"] * 2**20 - len(top.to_json_bytes())) < 0.02 * len(top.to_json_bytes())
+    assert 0 < row["parts_pages_read"] < len(top.pages) / 4 and row["parts_read_pct"] < 100
     assert not row["world_plan_s_estimated"] and not row["dcp_estimated"]
 
 

@@ -24,7 +24,9 @@ from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, c
 from fastpersist_dist.bench.baselines import torch_dist_cpu_shims
 from fastpersist_dist.checkpoint_formats import DCP_METADATA_FILE, TORCH_DIST
 from fastpersist_dist.errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError
+from fastpersist_dist.commit import read_index
 from fastpersist_dist.format import INDEX_FILE
+from fastpersist_dist.index_pages import part_file_name
 from fastpersist_dist.verify import verify_checkpoint
 
 from .helpers import COMMON_STATE_OBJECT, assert_same, empty_like_request, global_tensor, make_dir, save, sharded
@@ -106,13 +108,14 @@ def saved(tmp_path_factory) -> str:
 def test_files_are_torch_dcp_with_our_sidecar(saved):
     names = sorted(os.listdir(saved))
     common = [] if COMMON_STATE_OBJECT else ["common.pt"]  # megatron <= 0.18's save() writes it; 0.19 keeps it in DCP
-    assert names == sorted([DCP_METADATA_FILE, "__0_0.distcp", "__1_0.distcp", INDEX_FILE, "metadata.json", *common])
+    assert names == sorted([DCP_METADATA_FILE, "__0_0.distcp", "__1_0.distcp", INDEX_FILE, part_file_name(0),
+                            "metadata.json", *common])
     with open(os.path.join(saved, "metadata.json")) as f:
         doc = json.load(f)
     assert (doc["sharded_backend"], doc["sharded_backend_version"]) == ("torch_dist", 1), doc
     with open(os.path.join(saved, INDEX_FILE)) as f:
         body = json.load(f)["body"]
-    assert (body["format_version"], body["container"]) == (2, "torch_save")
+    assert (body["format_version"], body["container"]) == (3, "torch_save")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -138,9 +141,8 @@ def test_verify_and_inspect_know_the_format(saved, tmp_path):
     assert report.ok and report.bytes_checked > 0, report.problems
     path = str(tmp_path / "flipped")
     shutil.copytree(saved, path)
-    with open(os.path.join(path, INDEX_FILE)) as f:
-        rec = next(r for r in json.load(f)["body"]["records"] if r["key"] == "float32.rows" and r["file"] == "__1_0.distcp")
-    at = rec["offset"] + rec["data_offset"] + 5  # one byte of tensor data
+    rec = next(r for r in read_index(path, "test").records if r.key == "float32.rows" and r.file == "__1_0.distcp")
+    at = rec.offset + rec.data_offset + 5  # one byte of tensor data
     with open(os.path.join(path, "__1_0.distcp"), "r+b") as f:
         f.seek(at)
         byte = f.read(1)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
+from fastpersist_dist.commit import read_index
 from fastpersist_dist.format import INDEX_FILE, data_file_name
 from fastpersist_dist.verify import verify_checkpoint
 
@@ -29,10 +29,9 @@ def test_verify_good_and_damaged(tmp_path):
     run_ranks(2, _save, path)
     report = verify_checkpoint(path)
     assert report.ok and report.tensors == 2 and report.records == 4 + len(ADDED_OBJECTS)
-    with open(os.path.join(path, INDEX_FILE)) as f:
-        body = json.load(f)["body"]
-    assert report.bytes_checked == sum(body["files"].values())  # every byte listed (+ 0.17+'s common_state) ...
-    assert sum(r["length"] for r in body["records"] if r["kind"] == "tensor") == (64 * 256 + 64) * 4  # ... all tensors
+    index = read_index(path, "test")
+    assert report.bytes_checked == sum(index.files.values())  # every byte listed (+ 0.17+'s common_state) ...
+    assert sum(r.length for r in index.records if r.kind == "tensor") == (64 * 256 + 64) * 4  # ... all tensors
     proc = _cli(path)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
     assert proc.stderr == ""  # megatron-core's and DeepSpeed's import warnings are not the command's output

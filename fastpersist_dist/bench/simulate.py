@@ -19,9 +19,11 @@ then run on exactly what it would see:
 The index of the resulting checkpoint is built from the groups' plans (one
 group per distinct pipeline stage, for tensor rank 0 and one other: tensor
 ranks 1.. are alike) and
-parsed as a loading rank would. Alongside, the parts design of docs/scale.md:
-what a loading rank would read with a small top-level index and parts per
-(planning group, key), each cut into a few pages.
+parsed as a loading rank would. Alongside, the paged index (version 3,
+``fastpersist_dist.index_pages``) that the engine commits: the real part files
+of those groups, the real top level (pages of the groups not run are copies of
+a like group's), and what one loading rank reads: the top level plus the pages
+:func:`~fastpersist_dist.index_pages.select_pages` picks for its requests.
 """
 
 from __future__ import annotations
@@ -36,7 +38,19 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from ..checksum import DEFAULT_BLOCK_BYTES
-from ..format import KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, data_file_name
+from ..format import CONTAINER_RAW, KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, data_file_name
+from ..index_pages import (
+    Page,
+    PagedIndex,
+    build_part,
+    key_kinds,
+    parse_page,
+    parse_top,
+    part_file_name,
+    record_bounds,
+    select_pages,
+    top_level,
+)
 from ..plan import PlanCache, place_in_rank_file, plan_writes
 
 MiB = 1 << 20
@@ -214,10 +228,7 @@ def placed_index_records(layout: Layout, t: int, p: int, plan: list[list[ShardRe
 
 def index_bytes(records: list[ShardRecord], world: int) -> bytes:
     """The JSON index (version 1) of ``records``."""
-    files: dict[str, int] = {}
-    for r in records:
-        files[r.file] = max(files.get(r.file, 0), r.offset + r.length)
-    return CheckpointIndex(world_size=world, checksum_block_bytes=DEFAULT_BLOCK_BYTES, files=files,
+    return CheckpointIndex(world_size=world, checksum_block_bytes=DEFAULT_BLOCK_BYTES, files=_file_sizes(records),
                            records=tuple(records)).to_json_bytes()
 
 
@@ -293,43 +304,57 @@ def _stages(layout: Layout) -> list[tuple[int, int]]:
     return [(0, 1), (1, layout.pp - 2), (layout.pp - 1, 1)] if layout.pp > 2 else [(0, 1), (1, 1)]
 
 
-PAGES = 8  # a part is cut into at most this many pages, each listed in the top level
-
-
-def _parts(records: list[ShardRecord], group: tuple[int, int]) -> dict[tuple, list[ShardRecord]]:
-    """The design's parts: per (planning group, key), pages of records that lie side by side.
-
-    Records are ordered along the axis where most of them fit side by side
-    (e.g. the DP slices of a distributed optimizer's state), so a page is a
-    contiguous region that a loading rank reads only if it needs it.
-    """
-    by_key: dict[str, list[ShardRecord]] = {}
+def _file_sizes(records: list[ShardRecord]) -> dict[str, int]:
+    files: dict[str, int] = {}
     for r in records:
-        by_key.setdefault(r.key, []).append(r)
-    parts: dict[tuple, list[ShardRecord]] = {}
-    for key, recs in by_key.items():
-        lo, hi = _bbox(recs)
-        extents = [sum(b[a] for b in map(_box, recs)) / len(recs) for a in range(len(lo))]
-        axis = max(range(len(lo)), key=lambda a: (hi[a] - lo[a]) / max(extents[a], 1))
-        recs.sort(key=lambda r: r.global_offset[axis])
-        size = -(-len(recs) // PAGES)
-        for page, start in enumerate(range(0, len(recs), size)):
-            parts[(group, key, page)] = recs[start : start + size]
-    return parts
+        files[r.file] = max(files.get(r.file, 0), r.offset + r.length)
+    return files
 
 
-def _bbox(records: list[ShardRecord]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    lo = tuple(min(c) for c in zip(*(r.global_offset for r in records)))
-    hi = tuple(max(c) for c in zip(*(tuple(o + n for o, n in zip(r.global_offset, _box(r))) for r in records)))
-    return lo, hi
+def paged_parts(layout: Layout, placed: dict[tuple[int, int], list[ShardRecord]],
+                copies: Optional[dict[tuple[int, int], int]] = None) -> tuple[PagedIndex, dict[str, bytes]]:
+    """The real part files of the groups ``placed`` ((tensor rank, stage) -> index records) and their top level.
+
+    ``copies``: how many more groups are like each one (their pages enter the
+    top level as copies under other group numbers, for its size only).
+    """
+    pages: list[Page] = []
+    parts: dict[str, bytes] = {}
+    kinds = {}
+    for (t, p), records in placed.items():
+        group = layout.dp_group(t, p)[0]
+        data, group_pages = build_part(records, group, _file_sizes(records), CONTAINER_RAW)
+        parts[part_file_name(group)] = data
+        pages += group_pages
+        kinds.update(key_kinds(records))
+    sizes = {name: len(data) for name, data in parts.items()}
+    extra = layout.world  # group numbers no rank has: the copies' part files
+    for (t, p), n in (copies or {}).items():
+        like = [pg for pg in pages if pg.group == layout.dp_group(t, p)[0]]
+        for _ in range(n):
+            pages += [replace(pg, group=extra) for pg in like]
+            sizes[part_file_name(extra)] = len(parts[part_file_name(layout.dp_group(t, p)[0])])
+            extra += 1
+    return top_level(pages, kinds, sizes, layout.world, DEFAULT_BLOCK_BYTES, CONTAINER_RAW), parts
 
 
-def _box(r: ShardRecord) -> tuple[int, ...]:
-    return (1,) * r.prepend_axis_num + r.local_shape if r.kind == KIND_TENSOR else (1,) * len(r.global_offset)
+def paged_index(layout: Layout) -> tuple[PagedIndex, dict[str, bytes]]:
+    """Every DP group of ``layout`` planned apart and committed as its part file (small layouts: tests)."""
+    placed = {}
+    for p in range(layout.pp):
+        for t in range(layout.tp):
+            held = [layout.held(t, d, p) for d in range(layout.dp)]
+            plan = PlanCache().plan([("-", h) for h in held], True, layout.dp_group(t, p))
+            placed[(t, p)] = placed_index_records(layout, t, p, plan)
+    return paged_parts(layout, placed)
 
 
-def _intersects(a: tuple, b: tuple) -> bool:
-    return all(lo1 < hi2 and lo2 < hi1 for lo1, hi1, lo2, hi2 in zip(a[0], a[1], b[0], b[1]))
+def loader_requests(layout: Layout) -> dict[str, list]:
+    """What the simulated resuming rank (tensor rank 1, DP rank 0, a middle stage) requests: what it holds."""
+    wants: dict[str, list] = {}
+    for r in layout.held(1 % layout.tp, 0, 1 % layout.pp):
+        wants.setdefault(r.key, []).append(record_bounds(r))
+    return wants
 
 
 def simulate(layout: Layout, world_plan_max: int = 1024, central_max: int = 1024,
@@ -381,32 +406,29 @@ def _index_columns(layout: Layout, groups: dict[tuple[int, int], tuple[int, Grou
     middle = (0, 1 % layout.pp)
     data = index_bytes(placed[middle], layout.world)
     _, parse_s = _timed(lambda: CheckpointIndex.from_json_bytes(data, "simulated index"))
-    # parts: pages per (group, key); the top level names each key once and lists its pages:
-    # [group, bounding box low, high, bytes, XXH3 of the page]
-    parts: dict[tuple, list[ShardRecord]] = {}
-    for g, recs in placed.items():
-        parts.update(_parts(recs, g))
-    group_number = layout.tp * layout.pp - 1
-    top = sum(len(json.dumps(k)) + 4 for k in {k for _, k, _ in parts})
-    for (g, _, _), recs in parts.items():
-        entry = [group_number, *_bbox(recs), 1 << 30, "0" * 16]
-        top += groups[g][0] * (len(json.dumps(entry)) + 2)
-    loader = (1 % layout.tp, 0, 1 % layout.pp)
-    wants = [(r.key, (r.global_offset, tuple(o + n for o, n in zip(r.global_offset, _box(r)))))
-             for r in layout.held(*loader)]
-    by_key: dict[str, list] = {}
-    for key, box in wants:
-        by_key.setdefault(key, []).append(box)
-    needed = [recs for (_, key, _), recs in parts.items()
-              if any(_intersects(_bbox(recs), box) for box in by_key.get(key, ()))]
-    read = [r for recs in needed for r in recs]
-    part_data = index_bytes(read, layout.world)
-    _, part_parse_s = _timed(lambda: CheckpointIndex.from_json_bytes(part_data, "simulated parts"))
+    # The paged index: real part files of the groups run, a top level for the whole world.
+    copies = {g: n - 1 for g, (n, _) in groups.items()}
+    whole_top, parts = paged_parts(layout, placed, copies)
+    top_data = whole_top.to_json_bytes()
+    paged_total = len(top_data) + sum(n * len(parts[part_file_name(layout.dp_group(*g)[0])])
+                                      for g, (n, _) in groups.items())
+    run_top, _ = paged_parts(layout, placed)  # selection among real pages only: copies' boxes are not theirs
+    chosen = select_pages(run_top, loader_requests(layout))
+    read = [(pg, parts[pg.part_file][pg.offset : pg.offset + pg.length]) for pg in chosen]
+
+    def parse() -> None:
+        parse_top(json.loads(top_data), "simulated top level")
+        for pg, data in read:
+            parse_page(run_top, pg, data, "simulated page")
+
+    _, part_parse_s = _timed(parse)
+    read_bytes = len(top_data) + sum(pg.length for pg in chosen)
     return {
         "index_mib": total / MiB, "index_records": total_records,
         "index_parse_s": parse_s * total / len(data),
-        "parts_top_mib": top / MiB, "parts_read_mib": (top + len(part_data)) / MiB,
-        "parts_read_pct": 100 * (top + len(part_data)) / total, "parts_parse_s": part_parse_s,
+        "paged_mib": paged_total / MiB, "parts_top_mib": len(top_data) / MiB, "parts_read_mib": read_bytes / MiB,
+        "parts_pages_read": len(chosen), "parts_read_pct": 100 * read_bytes / paged_total,
+        "parts_parse_s": part_parse_s,
     }
 
 
@@ -425,8 +447,11 @@ COLUMNS = [
     ("dcp_metadata_mib", "DCP: .metadata MiB", "{:.0f}"),
     ("index_mib", "JSON index MiB", "{:.0f}"),
     ("index_parse_s", "index parse s/rank", "{:.1f}"),
-    ("parts_read_mib", "parts: MiB read/rank", "{:.2f}"),
-    ("parts_read_pct", "parts: % of index", "{:.2f}"),
+    ("paged_mib", "v3 index MiB", "{:.0f}"),
+    ("parts_top_mib", "v3 top level MiB", "{:.2f}"),
+    ("parts_read_mib", "v3: MiB read/rank", "{:.2f}"),
+    ("parts_read_pct", "v3: % of index read", "{:.2f}"),
+    ("parts_parse_s", "v3: parse s/rank", "{:.2f}"),
 ]
 ESTIMATED = {"world_plan_s": "world_plan_s_estimated", "dcp_recv_mib": "dcp_estimated",
              "dcp_plan_s": "dcp_estimated", "dcp_metadata_mib": "dcp_estimated"}

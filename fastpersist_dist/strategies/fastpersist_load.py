@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 from .. import compat
 from ..checkpoint_formats import BACKENDS, DCP_METADATA_FILE
-from ..commit import read_index
+from ..commit import check_markers, read_index, read_top
 from ..errors import FastPersistError
 from ..format import INDEX_FILE, CheckpointIndex
-from ..load_engine import Loader, sharded_metadata, tensors_metadata
+from ..load_engine import Loader, requested_boxes, sharded_metadata, tensors_metadata
 from ..storage.reader import ShardReader
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
             return compat.stock_load(sharded_state_dict, ckpt, async_strategy)
         start = time.perf_counter()
         rank = _rank()
-        index = read_index(ckpt, f"rank {rank}")
+        index = read_index(ckpt, f"rank {rank}", requested_boxes(nested_values(sharded_state_dict)))
         with ShardReader(ckpt, index, self.verify_checksums, f"rank {rank}") as reader:
             loader = Loader(index, reader, rank, self.trust_objects)
             dict_list_map_inplace(loader.load, sharded_state_dict)
@@ -109,11 +109,13 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
         return None if _stock_checkpoint(str(checkpoint_dir)) else read_index(str(checkpoint_dir), f"rank {_rank()}")
 
     def load_tensors_metadata(self, checkpoint_dir: Union[str, Path]) -> Any:
-        """Global shape and dtype of every stored tensor, as data-less ShardedTensors."""
-        index = self._index(checkpoint_dir)
-        if index is None:
+        """Global shape and dtype of every stored tensor, as data-less ShardedTensors (a paged index: no page read)."""
+        ckpt, who = str(checkpoint_dir), f"rank {_rank()}"
+        if _stock_checkpoint(ckpt):
             return TorchDistLoadShardedStrategy().load_tensors_metadata(Path(checkpoint_dir))
-        return tensors_metadata(index)
+        top = read_top(ckpt, who)
+        check_markers(ckpt, top, who)
+        return tensors_metadata(top)
 
     def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> Any:
         """Tensor metadata plus every stored ShardedObject, keyed by its unique key."""
