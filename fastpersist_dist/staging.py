@@ -21,9 +21,9 @@ from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, 
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
     ShardedTensor,
-    apply_factories,
     is_main_replica,
 )
+from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
 from .checkpoint_formats import CheckpointFormat
 from .errors import FastPersistError
@@ -42,14 +42,15 @@ class StagedShard:
     data: torch.Tensor
 
 
-def factories_applied(sharded_state_dict: dict) -> dict:
-    """The shards megatron's ``save()`` will hand the strategy: a copy of the containers, factories built.
+def preprocessed(sharded_state_dict: dict) -> tuple[dict, dict]:
+    """The sharded part and the common state that megatron's ``save()`` takes from a state dict.
 
-    The caller's dict is left as it is (``apply_factories`` works in place); tensors are not copied.
+    Works on a copy of the containers (``save_preprocess`` builds factories in
+    place); tensors are not copied. Sharding integrity is not validated here:
+    the save itself does.
     """
     copied = dict_list_map_outplace(lambda v: v, sharded_state_dict)
-    apply_factories(copied)
-    return copied
+    return save_preprocess(copied, validate_access_integrity=False)
 
 
 def held_shards(sharded_state_dict: dict) -> list[Sharded]:

@@ -17,7 +17,7 @@ from .. import compat
 from ..checkpoint_formats import checkpoint_format as checkpoint_format_named
 from ..config import WriteConfig
 from ..save_engine import SaveEngine, SaveJob
-from ..staging import factories_applied
+from ..staging import preprocessed
 
 
 class FastPersistSaveStrategy(compat.SaveStrategyBase):
@@ -73,7 +73,8 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         """
         self._engine.load_ops()
         if sharded_state_dict is not None:
-            self._engine.reserve_snapshot(factories_applied(sharded_state_dict))
+            sharded, common = preprocessed(sharded_state_dict)
+            self._engine.reserve_snapshot(compat.strategy_input(sharded, common, dist.get_rank()))
 
     @property
     def plan_reused(self) -> bool:
