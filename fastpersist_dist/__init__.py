@@ -1,7 +1,8 @@
 """fastpersist-dist: a DeepSpeed DeepNVMe (FastPersist) backend for megatron-core dist_checkpointing.
 
 On megatron-core 0.16, importing the package registers the ('fastpersist', 1)
-save and load strategies; 0.17+ has no registry (see ``compat``).
+save and load strategies; 0.17+ has no registry (see ``compat``). A rank's
+writer process imports none of it (``roles``).
 """
 
 import os
@@ -11,19 +12,22 @@ if os.environ.get("FASTPERSIST_QUIET") == "1":  # a process our command started 
 
     quiet_dependencies()
 
-from . import compat  # noqa: E402 - after the filters, which must precede the dependencies' import-time warnings
-from .compat import ASYNC_SAVE_KWARGS
-from .async_queue import AsyncSaveQueue
-from .commit import prepare_checkpoint_dir
-from .config import WriteConfig
-from .errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
-from .format import BACKEND, BACKEND_VERSION
-from .registry import register
-from .strategies.fastpersist_load import FastPersistLoadStrategy
-from .strategies.fastpersist_save import FastPersistSaveStrategy
+from .roles import IS_WRITER  # noqa: E402
 
-if compat.REGISTRY:
-    register()
+if not IS_WRITER:  # a rank's writer process needs none of this (nor megatron-core): see roles.py
+    from . import compat  # noqa: E402 - after the filters, which must precede the dependencies' import-time warnings
+    from .async_queue import AsyncSaveQueue
+    from .commit import prepare_checkpoint_dir
+    from .compat import ASYNC_SAVE_KWARGS
+    from .config import WriteConfig
+    from .errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
+    from .format import BACKEND, BACKEND_VERSION
+    from .registry import register
+    from .strategies.fastpersist_load import FastPersistLoadStrategy
+    from .strategies.fastpersist_save import FastPersistSaveStrategy
+
+    if compat.REGISTRY:
+        register()
 
 __all__ = [
     "ASYNC_SAVE_KWARGS",

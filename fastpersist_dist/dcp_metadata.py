@@ -16,7 +16,6 @@ import uuid
 from typing import Iterable, Union
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -38,6 +37,9 @@ DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VER
 
 def object_fqn(record: ShardRecord) -> str:
     """DCP key of an object record: megatron's ``ShardedObject.unique_key``."""
+    # Imported here: the writer process imports this module (via commit) but no megatron-core.
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
     return ShardedObject(record.key, None, record.global_shape, record.global_offset, 0).unique_key
 
 

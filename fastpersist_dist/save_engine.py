@@ -160,6 +160,25 @@ class SaveEngine:
             _log_plan(plan, plans.reused, ranks)
         return plan[me]
 
+    def _stage(self, sharded_state_dict: dict, rank: int) -> tuple[list[StagedShard], Optional[str]]:
+        """This rank's shards, or the error that every rank will raise after the plan exchange."""
+        try:
+            return stage(sharded_state_dict, rank, self.fmt), None
+        except FastPersistError as e:
+            return [], str(e)
+
+    def reserve_snapshot(self, sharded_state_dict: dict) -> None:
+        """Collective: plan the saves of this state and allocate their snapshot buffer now, without copying.
+
+        Allocating and mapping the buffer is most of the first async save call
+        of a process (docs/async.md); done at start-up, that call copies only.
+        """
+        rank = dist.get_rank()
+        with _gc_paused():
+            staged, error = self._stage(sharded_state_dict, rank)
+            staged = assign(staged, self._plan([s.record for s in staged], error, "cannot reserve a snapshot"), rank)
+            _process_wide().pool.reserve(staged)
+
     def prepare(self, sharded_state_dict: dict, checkpoint_dir: str, snapshot: bool,
                 aux_files: Optional[dict[str, bytes]] = None) -> SaveJob:
         """Collective: everything up to the write. ``snapshot``: copy the data (async), else write from it.
@@ -182,12 +201,7 @@ class SaveEngine:
                 "not touched"
             )
         phases = Phases()
-        error: Optional[str] = None
-        staged: list[StagedShard] = []
-        try:
-            staged = stage(sharded_state_dict, rank, self.fmt)
-        except FastPersistError as e:
-            error = str(e)
+        staged, error = self._stage(sharded_state_dict, rank)
         if error is None:  # every rank: a node-local directory may be missing or read-only on one node only
             error = check_target_directory(ckpt)
         what = f"cannot save checkpoint {ckpt}"
@@ -212,8 +226,7 @@ class SaveEngine:
             phases.mark("frame")
             logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
             return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank)), finalize)
-        lease = shared.pool.snapshot(staged)
-        phases.mark("snapshot")
+        lease = shared.pool.snapshot(staged, phases)
         address, writer_pid = writer_client().ensure_running()
         # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
         finalize[:0] = [partial(shared.pool.release, lease), partial(shared.writing.discard, target)]

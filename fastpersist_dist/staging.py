@@ -17,17 +17,19 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
-from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
     ShardedTensor,
     is_main_replica,
 )
+from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
 from .checkpoint_formats import CheckpointFormat
 from .errors import FastPersistError
 from .format import KIND_OBJECT, KIND_TENSOR, ShardRecord, dtype_name
 from .storage.shared_memory import SharedBuffer
+from .timing import Phases
 
 Sharded = Union[ShardedTensor, ShardedObject]
 
@@ -38,6 +40,17 @@ class StagedShard:
 
     record: ShardRecord
     data: torch.Tensor
+
+
+def preprocessed(sharded_state_dict: dict) -> tuple[dict, dict]:
+    """The sharded part and the common state that megatron's ``save()`` takes from a state dict.
+
+    Works on a copy of the containers (``save_preprocess`` builds factories in
+    place); tensors are not copied. Sharding integrity is not validated here:
+    the save itself does.
+    """
+    copied = dict_list_map_outplace(lambda v: v, sharded_state_dict)
+    return save_preprocess(copied, validate_access_integrity=False)
 
 
 def held_shards(sharded_state_dict: dict) -> list[Sharded]:
@@ -164,20 +177,17 @@ class SnapshotPool:
         self._free: Optional[Lease] = None
         self._on_new, self._on_drop = on_new, on_drop
 
-    def snapshot(self, staged: list[StagedShard]) -> Lease:
+    def snapshot(self, staged: list[StagedShard], phases: Optional[Phases] = None) -> Lease:
         """Copy each tensor record's elements into a buffer; ``data`` becomes the buffer's bytes.
 
-        Returns the lease to :meth:`release` once the bytes are written.
+        Returns the lease to :meth:`release` once the bytes are written. ``phases``
+        gets the time to get the buffer ("buffer") and to copy into it ("copy").
         """
-        tensors = [s for s in staged if s.record.kind == KIND_TENSOR]
-        signature = tuple((s.record.key, s.record.global_offset, s.record.flattened_range, s.record.length)
-                          for s in tensors)
-        offsets, total = [], 0
-        for s in tensors:
-            offsets.append(total)
-            total += -(-s.record.length // self.ALIGN) * self.ALIGN
+        phases = phases or Phases()
+        tensors, signature, offsets, total = self._layout(staged)
         on_device = any(s.data.device.type != "cpu" for s in tensors)
-        buffer = self._acquire(signature, total, pinned=on_device)
+        buffer, new = self._acquire(signature, total, pinned=on_device)
+        phases.mark("buffer")
         for s, off in zip(tensors, offsets):
             dest = buffer.tensor[off : off + s.record.length]
             if s.record.length:
@@ -186,7 +196,34 @@ class SnapshotPool:
             s.data = dest
         if on_device:
             torch.accelerator.synchronize()
+        phases.mark("copy")
+        if new:  # after the copy: the writer maps (and faults in) the pages while training goes on
+            self._on_new(buffer)
         return signature, buffer
+
+    def reserve(self, staged: list[StagedShard]) -> None:
+        """Allocate (and share) the buffer that a snapshot of ``staged`` will take, without copying.
+
+        It is kept as the free buffer: the next snapshot of the same structure
+        copies into memory that is already allocated and mapped.
+        """
+        tensors, signature, _, total = self._layout(staged)
+        on_device = any(s.data.device.type != "cpu" for s in tensors)
+        buffer, new = self._acquire(signature, total, pinned=on_device)
+        if new:
+            self._on_new(buffer)
+        self.release((signature, buffer))
+
+    def _layout(self, staged: list[StagedShard]) -> tuple[list[StagedShard], tuple, list[int], int]:
+        """The tensor records, the structure's signature, each one's offset in the buffer, the buffer's size."""
+        tensors = [s for s in staged if s.record.kind == KIND_TENSOR]
+        signature = tuple((s.record.key, s.record.global_offset, s.record.flattened_range, s.record.length)
+                          for s in tensors)
+        offsets, total = [], 0
+        for s in tensors:
+            offsets.append(total)
+            total += -(-s.record.length // self.ALIGN) * self.ALIGN
+        return tensors, signature, offsets, total
 
     def release(self, lease: Lease) -> None:
         """Take back a buffer whose bytes are written (called at finalize); keep the latest one."""
@@ -198,12 +235,11 @@ class SnapshotPool:
         self._on_drop(buffer)
         buffer.close()
 
-    def _acquire(self, signature: tuple, total: int, pinned: bool) -> SharedBuffer:
+    def _acquire(self, signature: tuple, total: int, pinned: bool) -> tuple[SharedBuffer, bool]:
+        """The free buffer if it fits ``signature``, else a new one (True: not yet shared with ``on_new``)."""
         free, self._free = self._free, None
         if free is not None:
             if free[0] == signature:
-                return free[1]
+                return free[1], False
             self._drop(free[1])
-        buffer = SharedBuffer(total, pinned=pinned)
-        self._on_new(buffer)
-        return buffer
+        return SharedBuffer(total, pinned=pinned), True

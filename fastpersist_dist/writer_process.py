@@ -48,6 +48,7 @@ from .config import WriteConfig
 from .errors import FastPersistError
 from .format import ShardRecord
 from .per_process import PerProcess
+from .roles import WRITER_ENV
 from .storage.shared_memory import SharedBuffer, map_fd
 from .storage.writer import WriteItem, preload_ops
 
@@ -240,8 +241,9 @@ class WriterClient:
 
 
 def _child_env() -> dict[str, str]:
-    """This environment, with this very package first on the writer's import path."""
+    """This environment, with this very package first on the writer's import path, marked as the writer's."""
     env = dict(os.environ)
+    env[WRITER_ENV] = "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONWARNINGS", "ignore")  # megatron's import-time warnings, once per rank already

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from typing import Callable
 
 import pytest
@@ -10,11 +13,14 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
+import fastpersist_dist
 from fastpersist_dist import FastPersistSaveStrategy, SaveFailedError
 from fastpersist_dist.async_queue import AsyncSaveQueue
 from fastpersist_dist.bench.baselines import torch_dist_cpu_shims
 from fastpersist_dist.compat import megatron_async_queue
 from fastpersist_dist.format import INDEX_FILE
+from fastpersist_dist.roles import WRITER_ENV
+from fastpersist_dist.writer_process import writer_client
 
 from .helpers import (ASYNC_KW, assert_same, global_tensor, load, make_dir, native_strategy, sharded)
 from .multiproc import run_ranks
@@ -181,3 +187,33 @@ def _same_directory_twice(rank: int, world: int, root: str) -> str:
 def test_second_save_into_a_directory_still_being_written_is_refused(tmp_path):
     for m in run_ranks(2, _same_directory_twice, str(tmp_path)):
         assert "still being written by an earlier async save" in m and "data files were not touched" in m, m
+
+
+def _reserved_at_start_up(rank: int, world: int, root: str) -> tuple[bool, bool, int]:
+    sd = state(rank, world)
+    native_strategy().load_ops(sd)  # start-up, collective: plan, allocate and share the snapshot buffer
+    reserved = set(writer_client()._buffers)
+    before = snapshot(sd)
+    strategy = native_strategy()  # a fresh strategy per save
+    request = async_save(sd, f"{root}/c", strategy)
+    leased = request.finalize_fns[0].args[0][1].id
+    queue = AsyncSaveQueue()
+    queue.schedule(request)
+    mutate(sd, 0)
+    queue.close()
+    load_and_compare(sd, before, f"{root}/c")
+    return leased in reserved, strategy.plan_reused, len(reserved)
+
+
+def test_load_ops_with_the_state_reserves_the_first_save_s_buffer_and_plan(tmp_path):
+    for leased_reserved, plan_reused, n in run_ranks(2, _reserved_at_start_up, str(tmp_path)):
+        assert (leased_reserved, plan_reused, n) == (True, True, 1)
+
+
+def test_writer_process_imports_no_megatron_core():
+    probe = ("import json, sys; import fastpersist_dist.writer_process; "
+             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron')))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fastpersist_dist.__file__)))  # this very package
+    env = {**os.environ, WRITER_ENV: "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

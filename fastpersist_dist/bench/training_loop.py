@@ -60,6 +60,9 @@ class _Checkpointer:
     def shims(self) -> ContextManager[Any]:
         return nullcontext()
 
+    def start(self, sd: dict) -> None:
+        """What a trainer does once at start-up for this way of saving (before its first loop)."""
+
     def save(self, sd: dict, ckpt: str) -> None:
         raise NotImplementedError
 
@@ -89,6 +92,9 @@ class _Ours(_Checkpointer):
 
     def shims(self) -> ContextManager[Any]:
         return torch_dist_cpu_shims() if self._megatron else nullcontext()
+
+    def start(self, sd: dict) -> None:
+        FastPersistSaveStrategy(config=self._write).load_ops(sd)  # plan + snapshot buffer, as docs/async.md advises
 
     def save(self, sd: dict, ckpt: str) -> None:
         request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(config=self._write),
@@ -270,6 +276,8 @@ def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: in
             if rank == 0:
                 shutil.rmtree(root, ignore_errors=True)
                 os.makedirs(root)
+            if rep == 0:
+                cp.start(sd)
             dist.barrier()
             run = run_loop(cp, sd, tensors, cfg, root, baseline, sample_memory=rep == 0)
             dist.barrier()

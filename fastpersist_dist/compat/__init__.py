@@ -33,6 +33,7 @@ request_type = _adapter.request_type
 megatron_async_queue = _adapter.megatron_async_queue
 common_files = _adapter.common_files
 stock_load = _adapter.stock_load
+strategy_input = _adapter.strategy_input
 register = _adapter.register
 TRAINING_STRATEGY_SEAMS = _adapter.TRAINING_STRATEGY_SEAMS
 
@@ -48,4 +49,5 @@ __all__ = [
     "request_type",
     "register",
     "stock_load",
+    "strategy_input",
 ]

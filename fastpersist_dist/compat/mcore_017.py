@@ -67,6 +67,11 @@ def common_files(sharded_state_dict: dict, rank: int, write_common_pt: bool) -> 
     return {COMMON_FILE: buf.getvalue()}
 
 
+def strategy_input(sharded: dict, common: dict, rank: int) -> dict:
+    """What ``save()`` hands the save strategy: the sharded part plus the common state as a ShardedObject."""
+    return {**sharded, COMMON_STATE_KEY: ShardedObject(COMMON_STATE_KEY, common, (1,), (0,), replica_id=rank)}
+
+
 def stock_load(sharded_state_dict: Any, checkpoint_dir: str, async_strategy: Optional[str]) -> Any:
     """megatron's own loader, for torch_dist checkpoints that have no FastPersist sidecar."""
     return TorchDistLoadShardedStrategy().load(sharded_state_dict, checkpoint_dir, async_strategy or "mcore")

@@ -17,6 +17,7 @@ from .. import compat
 from ..checkpoint_formats import checkpoint_format as checkpoint_format_named
 from ..config import WriteConfig
 from ..save_engine import SaveEngine, SaveJob
+from ..staging import preprocessed
 
 
 class FastPersistSaveStrategy(compat.SaveStrategyBase):
@@ -60,14 +61,20 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         self.write_common_pt = write_common_pt or not fmt.dcp_readable
         self._engine = SaveEngine(self.config, fmt, parallel_group)
 
-    def load_ops(self) -> None:
+    def load_ops(self, sharded_state_dict: Optional[dict] = None) -> None:
         """Load DeepSpeed's native ops and start this rank's writer process now (seconds, once per process).
 
         Call it at start-up: otherwise the first synchronous save loads the ops,
         and the first async save starts the writer process (without blocking,
-        but it becomes durable that much later).
+        but it becomes durable that much later). Given the sharded state dict
+        that async saves will save (then a collective, on every rank), it also
+        plans them and allocates their snapshot buffer, which the first async
+        save call would otherwise do while training waits.
         """
         self._engine.load_ops()
+        if sharded_state_dict is not None:
+            sharded, common = preprocessed(sharded_state_dict)
+            self._engine.reserve_snapshot(compat.strategy_input(sharded, common, dist.get_rank()))
 
     @property
     def plan_reused(self) -> bool:

@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""What an async save call costs at least on this machine, and what its writer process holds.
+
+    .venv/bin/python scripts/snapshot_floor.py --gib 0.5 --reps 3
+
+Per repetition: allocating and mapping a snapshot buffer of that size (a new
+``SharedBuffer``: what the first async save call of a process does unless
+``load_ops(sd)`` ran), then copying a tensor of that size into it twice (the
+second is the steady-state call's floor: a memcpy into mapped memory), on one
+thread. Then one writer process is started and its memory read from
+``/proc/<pid>/smaps_rollup``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from fastpersist_dist.storage.shared_memory import SharedBuffer
+from fastpersist_dist.writer_process import writer_client
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=0.5)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    nbytes = int(args.gib * (1 << 30)) // 4 * 4
+    source = torch.randn(nbytes // 4)
+    for rep in range(args.reps):
+        buffers: list[SharedBuffer] = []
+        alloc = _timed(lambda: buffers.append(SharedBuffer(nbytes)))
+        dest = buffers[0].tensor.view(torch.float32)
+        first, again = _timed(lambda: dest.copy_(source)), _timed(lambda: dest.copy_(source))
+        print(f"rep {rep + 1}: {nbytes / (1 << 30):.2f} GiB buffer allocated+mapped {alloc:.3f} s; "
+              f"copy into it {first:.3f} s, again {again:.3f} s ({nbytes / again / (1 << 30):.1f} GiB/s)")
+        del dest
+        buffers[0].close()
+    client = writer_client()
+    ready = _timed(client.wait_ready)
+    with open(f"/proc/{client.pid}/smaps_rollup") as f:
+        fields = {k.rstrip(":"): int(v) for k, v, *_ in (line.split() for line in f) if k.rstrip(":") in
+                  ("Rss", "Pss", "Private_Dirty")}
+    print(f"writer process: serving after {ready:.2f} s; " + ", ".join(f"{k} {v / 1024:.0f} MiB"
+                                                                       for k, v in fields.items()))
+
+
+if __name__ == "__main__":
+    main()
