@@ -138,6 +138,12 @@ def _expect_corrupt(rank: int, world: int, path: str, slot: int) -> str:
         dict_list_map_inplace(loader.load, want)
         with pytest.raises(CorruptCheckpointError) as info:
             loader.run(1)
+        # The handle was left idle and its buffer free: the next load in this process works.
+        intact = {"i8": empty_like_request(_state(0, 1)["i8"])}
+        loader = Loader(index, reader, rank, False, StreamReader(reader, aio_resources(WriteConfig().aio), slot))
+        dict_list_map_inplace(loader.load, intact)
+        loader.run(1)
+        assert_same(intact["i8"], _state(0, 1)["i8"].data, "i8 after the error")
     return str(info.value)
 
 

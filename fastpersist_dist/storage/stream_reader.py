@@ -137,6 +137,7 @@ class StreamReader:
         self.block = reader.index.checksum_block_bytes
         self.seconds = {"wait for reads": 0.0, "verify": 0.0, "copy": 0.0}
         self.bytes_read = 0
+        self._pending = False  # an aio read into a slot is in flight
 
     def fits(self) -> bool:
         """Whether a slot holds two checksum blocks and the alignment slack: the most one element can need."""
@@ -152,25 +153,29 @@ class StreamReader:
         pieces = [p for read in reads for p in split_into_pieces(read, self.block, limit)]
         batches = into_batches(pieces, self.slot_bytes, self.align)
         self.reader.open_all({b.file for b in batches})  # size checks first: reads never run past a file's end
-        pending = self._submit(batches[0], self.slots[0]) if batches else False
         try:
+            if batches:
+                self._submit(batches[0], self.slots[0])
             for i, batch in enumerate(batches):
                 start = time.perf_counter()
-                if pending:
-                    self.handle.wait()
-                    pending = False
+                self._wait()
                 self.seconds["wait for reads"] += time.perf_counter() - start
                 if i + 1 < len(batches):
-                    pending = self._submit(batches[i + 1], self.slots[(i + 1) % 2])
+                    self._submit(batches[i + 1], self.slots[(i + 1) % 2])
                 self._consume(batch, self.slots[i % 2], done)
         finally:
-            if pending:
-                self.handle.wait()  # the slot must not be reused, nor the handle left busy
+            self._wait()  # on errors too: the slot must not be reused, nor the handle left busy
         logger.debug("fastpersist: %s: %d pieces in %d reads of %.3f GiB in all; %s", self.reader.who, len(pieces),
                      len(batches), self.bytes_read / 2**30, ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items()))
 
-    def _submit(self, batch: Batch, slot: torch.Tensor) -> bool:
-        """Start reading ``batch`` into ``slot``; whether an aio read is now pending.
+    def _wait(self) -> None:
+        """Wait for the pending aio read, if any (DeepSpeed's wait() must not be called with none)."""
+        if self._pending:
+            self.handle.wait()
+            self._pending = False
+
+    def _submit(self, batch: Batch, slot: torch.Tensor) -> None:
+        """Start reading ``batch`` into ``slot``.
 
         The aligned part goes through aio; bytes past the last whole aligned block
         of the file (O_DIRECT cannot read them, DeepSpeed refuses reads past the
@@ -178,18 +183,16 @@ class StreamReader:
         """
         size = self.reader.index.files[batch.file]
         direct_end = min(_align_up(batch.hi, self.align), size // self.align * self.align)
-        pending = False
         self.bytes_read += batch.hi - batch.lo
         if direct_end > batch.lo:
             path = os.path.join(self.reader.dir, batch.file)
             if self.handle.async_pread(slot[: direct_end - batch.lo], path, batch.lo) != 0:
                 raise OSError(f"{self.reader.who}: aio read of {path} at byte {batch.lo} could not start")
-            pending = True
+            self._pending = True
         tail = max(direct_end, batch.lo)
         if batch.hi > tail:
             self.reader.pread_at(batch.file, slot[tail - batch.lo : batch.hi - batch.lo], tail,
                                  f"the end of {batch.file}")
-        return pending
 
     def _consume(self, batch: Batch, slot: torch.Tensor, done: Callable[[int], None]) -> None:
         """Verify every block the batch's pieces touch (each once), then copy each piece out."""
