@@ -18,7 +18,7 @@ import math
 import pickle
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -31,6 +31,7 @@ from .format import KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, dtyp
 from .index_pages import Box, PagedIndex
 from .layout import Extent, intersect
 from .storage.reader import ShardReader
+from .storage.stream_reader import BoxRead, StreamReader
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,10 @@ class Loader:
     ``dict_list_map_inplace``); :meth:`run` executes them.
     """
 
-    def __init__(self, index: CheckpointIndex, reader: ShardReader, rank: int, trust_objects: bool):
+    def __init__(self, index: CheckpointIndex, reader: ShardReader, rank: int, trust_objects: bool,
+                 stream: Optional[StreamReader] = None):
         self.reader = reader
+        self.stream = stream  # O_DIRECT aio reads of the tensors, where open_stream chose them
         self.rank = rank
         self.trust_objects = trust_objects
         self.fmt = BY_CONTAINER[index.container]
@@ -108,12 +111,16 @@ class Loader:
     def run(self, threads: int) -> None:
         """Execute the planned reads sorted by file and offset: sequential I/O, whatever the dict order.
 
-        With ``threads`` > 1, consecutive reads run on a small pool, so one
-        read's I/O overlaps another's checksum and copy (all release the GIL).
+        With a stream, large aio reads into its locked double buffer (see
+        storage/stream_reader.py); else with ``threads`` > 1, consecutive preads
+        run on a small pool, so one read's I/O overlaps another's checksum and copy.
         """
         self.reads.sort(key=lambda r: (r[0].file, r[0].offset + r[0].data_offset + r[1].byte_start))
         reads, self.reads = self.reads, []
         shown = progress.task("load", sum(_nbytes(read[-1]) for read in reads))
+        if self.stream is not None:
+            self.stream.run([BoxRead(*read) for read in reads], shown.add)
+            return
         if threads <= 1 or len(reads) < 2:
             for rec, ext, sub_off, shape, view in reads:
                 self.reader.read_box(rec, ext, sub_off, shape, view)

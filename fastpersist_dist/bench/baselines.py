@@ -202,6 +202,8 @@ CONTENDERS: dict[str, Contender] = {
                                         "FastPersist with balance=False: main replicas write everything"),
     "fastpersist_dcp": Contender(_dcp_save, _megatron_load, True,
                                  "FastPersistSaveStrategy, torch_dist (DCP) format; megatron's stock loader"),
+    "fastpersist_dcp_ours": Contender(_dcp_save, _fastpersist_load, True,
+                                      "FastPersistSaveStrategy, torch_dist (DCP) format; our loader"),
     "fastpersist_dcp_fully_parallel": Contender(_dcp_fully_parallel_save, _megatron_load, True,
                                                 "FullyParallelSaveStrategyWrapper(FastPersist torch_dist, balance off)"),
     "torch_dist": Contender(_torch_dist_save, _megatron_load, True, "megatron torch_dist"),

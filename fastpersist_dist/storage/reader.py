@@ -78,16 +78,27 @@ class ShardReader:
 
     def _pread(self, record: ShardRecord, into: torch.Tensor, rel: int) -> None:
         """Fill the 1-D uint8 CPU tensor ``into`` with record bytes from ``rel`` on."""
-        fd = self._fd(record.file)
+        self.pread_at(record.file, into, record.offset + rel, record.describe())
+
+    def pread_at(self, name: str, into: torch.Tensor, pos: int, what: str) -> None:
+        """Fill the 1-D uint8 CPU tensor ``into`` with bytes of data file ``name`` from ``pos`` on."""
+        fd = self._fd(name)
         view = memoryview(into.numpy())
-        pos = record.offset + rel
         while view:
             n = os.preadv(fd, [view[:READ_CALL_BYTES]], pos)
             if n == 0:
                 raise CorruptCheckpointError(
-                    f"{self.who}: unexpected end of {record.file} at byte {pos} while reading {record.describe()}"
+                    f"{self.who}: unexpected end of {name} at byte {pos} while reading {what}"
                 )
             view, pos = view[n:], pos + n
+
+    def _read_checked(self, record: ShardRecord, into: torch.Tensor, rel: int) -> None:
+        """``_pread`` then ``_check``, one checksum block at a time: each block is hashed while in cache."""
+        step = self.index.checksum_block_bytes if self.verify else into.numel() or 1
+        for start in range(0, into.numel(), step):
+            piece = into[start : start + step]
+            self._pread(record, piece, rel + start)
+            self._check(record, piece, rel + start)
 
     def _check(self, record: ShardRecord, data: torch.Tensor, rel: int) -> None:
         """Verify the whole blocks held in ``data``, which starts at block-aligned ``rel``."""
@@ -98,26 +109,27 @@ class ShardReader:
         count = -(-data.numel() // block)
         bad = first_bad_block(data.numpy(), record.checksums[first : first + count], block)
         if bad >= 0:
-            at = record.offset + (first + bad) * block
-            raise CorruptCheckpointError(
-                f"{self.who}: checksum mismatch in {os.path.join(self.dir, record.file)} at byte "
-                f"offset {at} (block {first + bad} of {record.describe()}): the checkpoint is corrupt"
-            )
+            raise self.checksum_error(record, first + bad)
+
+    def checksum_error(self, record: ShardRecord, block_index: int) -> CorruptCheckpointError:
+        """The error for a block of ``record`` whose bytes do not match its checksum."""
+        at = record.offset + block_index * self.index.checksum_block_bytes
+        return CorruptCheckpointError(
+            f"{self.who}: checksum mismatch in {os.path.join(self.dir, record.file)} at byte "
+            f"offset {at} (block {block_index} of {record.describe()}): the checkpoint is corrupt"
+        )
 
     def check_record(self, record: ShardRecord) -> None:
         """Read every byte of ``record`` once, in bounded chunks, verifying each block."""
         step = max(1, VERIFY_CHUNK_BYTES // self.index.checksum_block_bytes) * self.index.checksum_block_bytes
         buffer = torch.empty(min(step, record.length), dtype=torch.uint8)
         for rel in range(0, record.length, step):
-            piece = buffer[: min(step, record.length - rel)]
-            self._pread(record, piece, rel)
-            self._check(record, piece, rel)
+            self._read_checked(record, buffer[: min(step, record.length - rel)], rel)
 
     def read_object(self, record: ShardRecord) -> bytes:
         """All bytes of an object record, verified."""
         data = torch.empty(record.length, dtype=torch.uint8)
-        self._pread(record, data, 0)
-        self._check(record, data, 0)
+        self._read_checked(record, data, 0)
         return data.numpy().tobytes()
 
     def read_box(self, record: ShardRecord, extent: Extent, sub_off: Shape, sub_shape: Shape, dest: torch.Tensor) -> None:
@@ -127,8 +139,8 @@ class ShardReader:
         first = sum(o * s for o, s in zip(sub_off, strides))
         last = sum((o + n - 1) * s for o, n, s in zip(sub_off, sub_shape, strides))
         span = (last + 1 - first) * size
-        if span > MAX_STAGING_BYTES and _split_axis(sub_shape) is not None:
-            axis = _split_axis(sub_shape)
+        if span > MAX_STAGING_BYTES and split_axis(sub_shape) is not None:
+            axis = split_axis(sub_shape)
             half = sub_shape[axis] // 2
             for lo, n in ((0, half), (half, sub_shape[axis] - half)):
                 off = tuple(o + lo if i == axis else o for i, o in enumerate(sub_off))
@@ -144,22 +156,20 @@ class ShardReader:
         direct = _direct_target(dest, saved_dtype)
         # Straight into the destination only when the sub-box is one run read exactly.
         if direct is not None and len(starts) == 1 and ranges == [(base + first * size, base + (last + 1) * size)]:
-            self._pread(record, direct, ranges[0][0])
-            self._check(record, direct, ranges[0][0])
+            self._read_checked(record, direct, ranges[0][0])
             return
         lo = ranges[0][0]
         staging = torch.empty(ranges[-1][1] - lo, dtype=torch.uint8)
         for a, b in ranges:
-            piece = staging[a - lo : b - lo]
-            self._pread(record, piece, a)
-            self._check(record, piece, a)
+            self._read_checked(record, staging[a - lo : b - lo], a)
         # Whole checksum blocks may reach into a torch.save archive's trailer: not whole elements.
         elements = staging[: staging.numel() // size * size].view(saved_dtype)
         src = torch.as_strided(elements, sub_shape, strides, (base - lo) // size + first)
         dest.copy_(src)
 
 
-def _split_axis(shape: Shape) -> Optional[int]:
+def split_axis(shape: Shape) -> Optional[int]:
+    """The first axis longer than 1 (where a box is halved), or None for a single element."""
     for axis, n in enumerate(shape):
         if n > 1:
             return axis

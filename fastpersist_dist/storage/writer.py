@@ -278,7 +278,7 @@ def write_rank_file(
 
 
 @contextmanager
-def _copies_on_this_thread() -> Iterator[None]:
+def copies_on_this_thread() -> Iterator[None]:
     """Run FastFileWriter's bounce-buffer fills (torch ``copy_``) on the calling thread alone.
 
     torch's intra-op pool spins for as much CPU again as a large copy takes,
@@ -308,7 +308,7 @@ def _stream(
     """
     where = "writing"
     shown = progress.task("write", sum(item.record.length for item in items))
-    with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-checksum") as checksummer, _copies_on_this_thread():
+    with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-checksum") as checksummer, copies_on_this_thread():
         digests = [checksummer.submit(_checksums, item, block, chunk) for item in items]
         try:
             for item in items:

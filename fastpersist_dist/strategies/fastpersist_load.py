@@ -24,7 +24,10 @@ from ..commit import check_markers, read_index, read_top
 from ..errors import FastPersistError
 from ..format import INDEX_FILE, CheckpointIndex
 from ..load_engine import Loader, requested_boxes, sharded_metadata, tensors_metadata
+from ..config import DirectIO, WriteConfig
+from ..storage.deepspeed_ops import aio_resources
 from ..storage.reader import ShardReader
+from ..storage.stream_reader import open_stream
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +49,21 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
         verify_checksums: check the XXH3 checksum of every block read (default on).
         trust_objects: unpickle ShardedObjects without torch's ``weights_only``
             restriction. Only for checkpoints from a trusted source.
-        read_threads: reads in flight per rank (I/O of one overlaps the checksum
-            and copy of another).
+        read_threads: preads in flight per rank where the load does not stream
+            (I/O of one overlaps the checksum and copy of another).
+        direct_io: "auto" reads verified loads with large O_DIRECT aio reads
+            through the aio handle and locked buffer of ``WriteConfig()`` (shared
+            with this process's synchronous saves), except on in-memory filesystems
+            (tmpfs), and falls back to pread where aio or O_DIRECT is unavailable;
+            "on" raises there instead; "off" always uses pread.
     """
 
-    def __init__(self, verify_checksums: bool = True, trust_objects: bool = False, read_threads: int = 2):
+    def __init__(self, verify_checksums: bool = True, trust_objects: bool = False, read_threads: int = 2,
+                 direct_io: DirectIO = "auto"):
         if read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {read_threads}")
+        if direct_io not in ("auto", "on", "off"):
+            raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {direct_io!r}")
         super().__init__()
         # megatron-core 0.19's load() dequantizes FP8 (Transformer Engine) tensors itself unless the
         # strategy says it does so per tensor; ours reads raw bytes into plain tensors, so it does not.
@@ -60,6 +71,7 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
         self.verify_checksums = verify_checksums
         self.trust_objects = trust_objects
         self.read_threads = read_threads
+        self.direct_io = direct_io
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -94,14 +106,15 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
         rank = _rank()
         index = read_index(ckpt, f"rank {rank}", requested_boxes(nested_values(sharded_state_dict)))
         with ShardReader(ckpt, index, self.verify_checksums, f"rank {rank}") as reader:
-            loader = Loader(index, reader, rank, self.trust_objects)
+            stream = open_stream(reader, lambda: aio_resources(WriteConfig().aio), self.direct_io)
+            loader = Loader(index, reader, rank, self.trust_objects, stream)
             dict_list_map_inplace(loader.load, sharded_state_dict)
             loader.run(self.read_threads)
         seconds = time.perf_counter() - start
         (logger.info if rank == 0 else logger.debug)(
-            "fastpersist: rank %d loaded %.3f GiB from %s in %.2f s (%.2f GiB/s, checksums %s)",
+            "fastpersist: rank %d loaded %.3f GiB from %s in %.2f s (%.2f GiB/s, checksums %s, %s)",
             rank, loader.nbytes / 2**30, ckpt, seconds, loader.nbytes / 2**30 / max(seconds, 1e-9),
-            "verified" if self.verify_checksums else "not verified",
+            "verified" if self.verify_checksums else "not verified", "O_DIRECT aio" if stream else "pread",
         )
         return sharded_state_dict
 
