@@ -140,12 +140,8 @@ class ShardReader:
         last = sum((o + n - 1) * s for o, n, s in zip(sub_off, sub_shape, strides))
         span = (last + 1 - first) * size
         if span > MAX_STAGING_BYTES and split_axis(sub_shape) is not None:
-            axis = split_axis(sub_shape)
-            half = sub_shape[axis] // 2
-            for lo, n in ((0, half), (half, sub_shape[axis] - half)):
-                off = tuple(o + lo if i == axis else o for i, o in enumerate(sub_off))
-                shp = tuple(n if i == axis else s for i, s in enumerate(sub_shape))
-                self.read_box(record, extent, off, shp, dest.narrow(axis, lo, n))
+            for off, shp, part in halves(sub_off, sub_shape, dest):
+                self.read_box(record, extent, off, shp, part)
             return
         starts, run = contiguous_runs(extent.shape, sub_off, sub_shape)
         base = record.data_offset + extent.byte_start
@@ -166,6 +162,16 @@ class ShardReader:
         elements = staging[: staging.numel() // size * size].view(saved_dtype)
         src = torch.as_strided(elements, sub_shape, strides, (base - lo) // size + first)
         dest.copy_(src)
+
+
+def halves(sub_off: Shape, sub_shape: Shape, dest: torch.Tensor) -> list[tuple[Shape, Shape, torch.Tensor]]:
+    """The two halves of a sub-box along its ``split_axis`` (which must exist): offset, shape, part of ``dest``."""
+    axis = split_axis(sub_shape)
+    half = sub_shape[axis] // 2
+    return [(tuple(o + lo if i == axis else o for i, o in enumerate(sub_off)),
+             tuple(n if i == axis else s for i, s in enumerate(sub_shape)),
+             dest.narrow(axis, lo, n))
+            for lo, n in ((0, half), (half, sub_shape[axis] - half))]
 
 
 def split_axis(shape: Shape) -> Optional[int]:

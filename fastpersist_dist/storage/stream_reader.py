@@ -31,7 +31,7 @@ from ..errors import FastPersistError
 from ..format import ShardRecord, dtype_from_name
 from ..layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs
 from .deepspeed_ops import AioResources
-from .reader import MAX_READ_GAP, ShardReader, split_axis
+from .reader import MAX_READ_GAP, ShardReader, halves, split_axis
 from .writer import copies_on_this_thread
 
 logger = logging.getLogger(__name__)
@@ -88,15 +88,9 @@ def split_into_pieces(read: BoxRead, block: Optional[int], limit: int) -> list[P
     if block:
         ranges = blocks_touched(ranges, block, rec.length)
     lo, hi = ranges[0][0], ranges[-1][1]
-    axis = split_axis(read.sub_shape)
-    if (len(ranges) > 1 or hi - lo > limit) and axis is not None:
-        half = read.sub_shape[axis] // 2
-        out = []
-        for start, n in ((0, half), (half, read.sub_shape[axis] - half)):
-            off = tuple(o + start if i == axis else o for i, o in enumerate(read.sub_off))
-            shape = tuple(n if i == axis else s for i, s in enumerate(read.sub_shape))
-            out += split_into_pieces(BoxRead(rec, ext, off, shape, read.dest.narrow(axis, start, n)), block, limit)
-        return out
+    if (len(ranges) > 1 or hi - lo > limit) and split_axis(read.sub_shape) is not None:
+        return [p for off, shape, part in halves(read.sub_off, read.sub_shape, read.dest)
+                for p in split_into_pieces(BoxRead(rec, ext, off, shape, part), block, limit)]
     if hi - lo > limit:
         raise ValueError(f"one element of {rec.describe()} needs {hi - lo} bytes, above the {limit}-byte slot")
     return [Piece(read, rec.offset + lo, rec.offset + hi)]
