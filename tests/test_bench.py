@@ -13,7 +13,7 @@ import pytest
 from fastpersist_dist.bench import training_loop
 from fastpersist_dist.bench.baselines import DEFAULT_CONTENDERS
 from fastpersist_dist.bench.gpt_state import GptShape
-from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed, on_ranks
+from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed, on_ranks, rotated
 from fastpersist_dist.bench.sweep import SEARCH, format_sweep
 from fastpersist_dist.bench.training_loop import DEFAULT_LOOP_CONTENDERS, LoopConfig
 from fastpersist_dist.config import WriteConfig
@@ -23,6 +23,14 @@ from fastpersist_dist_cli.quiet import LOGGED, WARNINGS
 def test_gpt_shape_sizes():
     shape = GptShape.for_bytes(2 << 30, tp=2)
     assert shape.hidden % 128 == 0 and 0.5 < shape.total_bytes() / (2 << 30) <= 1.0
+
+
+def test_repetitions_rotate_the_contenders():
+    """Every contender runs once per round, and each takes every position in turn."""
+    names = ("a", "b", "c")
+    rounds = [rotated(names, rep) for rep in range(3)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert rotated(names, 4) == rounds[1] and rotated((), 2) == []
 
 
 def test_bench_command_tiny(tmp_path):

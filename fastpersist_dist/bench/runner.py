@@ -151,6 +151,8 @@ def _bytes_per_rank(ckpt: str) -> list[int]:
 def init_rank(rank: int, world: int, port: int) -> torch.device:
     """Join the benchmark's process group (NCCL on GPUs, else gloo); the device the rank's state lives on."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if world > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # as torchrun does: N ranks x all cores of torch's pool each oversubscribe the host
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its SSD-endurance warning on every aio write
     gpu = torch.cuda.is_available()  # first CUDA call of this (forked) rank: the parent made none
     if gpu:
@@ -172,44 +174,59 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int) -> tuple[GptShape, list[R
     display = progress.ProgressLine(sys.stderr)  # rank 0's bytes (its writer's and its reads)
     if rank == 0:
         progress.install(display)
-    results = []
-    for name in cfg.contenders:
-        contender = CONTENDERS[name]
-        res = Result(name)
-        loads = [(res.load_s, sd)] + ([(res.reshard_s, resharded)] if contender.reshards else [])
-        loads = loads if cfg.loads else []
-        for rep in range(cfg.reps):
-            ckpt = os.path.join(cfg.directory, f"{name}-{rep}")
-            if rank == 0:
-                shutil.rmtree(ckpt, ignore_errors=True)
-                os.makedirs(ckpt)
-            blocked: list = []
-            cpu: list[float] = []
-            display.label = f"bench: {name} {rep + 1}/{cfg.reps} save"
-            res.save_s.append(_timed(lambda: blocked.append(_cpu_timed(lambda: contender.save(sd, ckpt, cfg.write), cpu))))
-            res.save_cpu_s.append(_over_ranks(cpu[0], dist.ReduceOp.SUM))
-            if blocked[0] is not None:
-                res.blocking_s.append(_over_ranks(blocked[0]))
-            if rep == cfg.reps - 1:
-                res.bytes_per_rank = _bytes_per_rank(ckpt)
-            for times, expected in loads:
-                if rank == 0:
-                    drop_page_cache(ckpt)
-                template = {k: _blank(v) for k, v in expected.items()}
-                display.label = f"bench: {name} {rep + 1}/{cfg.reps} {'load' if expected is sd else 'reshard'}"
-                holder: dict = {}
-                times.append(_timed(lambda: holder.update(contender.load(template, ckpt, cfg.write))))
-                _check(name, holder, expected)
-            dist.barrier()
-            if rank == 0:
-                display.clear()
-                timings = ", ".join(f"{op} {t[-1]:.2f} s" for op, t in
-                                    (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s)) if t)
-                print(f"bench: {name} {rep + 1}/{cfg.reps}: {timings}", file=sys.stderr, flush=True)
-                if not (cfg.keep and rep == cfg.reps - 1):
-                    shutil.rmtree(ckpt, ignore_errors=True)
-        results.append(res)
-    return shape, results
+    results = {name: Result(name) for name in cfg.contenders}
+    for rep in range(cfg.reps):
+        for name in rotated(cfg.contenders, rep):
+            _one_rep(rank, cfg, name, rep, results[name], sd, resharded, display)
+    return shape, [results[name] for name in cfg.contenders]
+
+
+def rotated(names: tuple[str, ...], rep: int) -> list[str]:
+    """The contenders of repetition ``rep``, each round starting one further along.
+
+    Round-robin rather than one contender's repetitions in a row, and rotated, so
+    that drift of the machine (a disk's write cache, a VM's memory given back to
+    the host and faulted in again) hits every contender alike, not the first one.
+    """
+    shift = rep % len(names) if names else 0
+    return list(names[shift:] + names[:shift])
+
+
+def _one_rep(rank: int, cfg: BenchConfig, name: str, rep: int, res: Result, sd: dict, resharded: dict,
+             display: progress.ProgressLine) -> None:
+    """One save of ``name`` and its loads, timed into ``res``."""
+    contender = CONTENDERS[name]
+    loads = [(res.load_s, sd)] + ([(res.reshard_s, resharded)] if contender.reshards else [])
+    loads = loads if cfg.loads else []
+    ckpt = os.path.join(cfg.directory, f"{name}-{rep}")
+    if rank == 0:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        os.makedirs(ckpt)
+    blocked: list = []
+    cpu: list[float] = []
+    display.label = f"bench: {name} {rep + 1}/{cfg.reps} save"
+    res.save_s.append(_timed(lambda: blocked.append(_cpu_timed(lambda: contender.save(sd, ckpt, cfg.write), cpu))))
+    res.save_cpu_s.append(_over_ranks(cpu[0], dist.ReduceOp.SUM))
+    if blocked[0] is not None:
+        res.blocking_s.append(_over_ranks(blocked[0]))
+    if rep == cfg.reps - 1:
+        res.bytes_per_rank = _bytes_per_rank(ckpt)
+    for times, expected in loads:
+        if rank == 0:
+            drop_page_cache(ckpt)
+        template = {k: _blank(v) for k, v in expected.items()}
+        display.label = f"bench: {name} {rep + 1}/{cfg.reps} {'load' if expected is sd else 'reshard'}"
+        holder: dict = {}
+        times.append(_timed(lambda: holder.update(contender.load(template, ckpt, cfg.write))))
+        _check(name, holder, expected)
+    dist.barrier()
+    if rank == 0:
+        display.clear()
+        timings = ", ".join(f"{op} {t[-1]:.2f} s" for op, t in
+                            (("save", res.save_s), ("load", res.load_s), ("reshard", res.reshard_s)) if t)
+        print(f"bench: {name} {rep + 1}/{cfg.reps}: {timings}", file=sys.stderr, flush=True)
+        if not (cfg.keep and rep == cfg.reps - 1):
+            shutil.rmtree(ckpt, ignore_errors=True)
 
 
 def _blank(sh: Any) -> Any:
