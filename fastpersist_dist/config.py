@@ -35,7 +35,7 @@ class WriteConfig:
     direct_io: DirectIO = "auto"
     io_buffer_mb: int = 256
     double_buffer: bool = True
-    aio_block_mb: int = 8
+    aio_block_mb: int = 32
     aio_queue_depth: int = 8
     aio_intra_op_parallelism: int = 1
     checksum_block_mb: int = DEFAULT_BLOCK_BYTES // MiB

@@ -77,6 +77,10 @@ BIG = (2048, 4096)  # float32: 16 MiB per rank of 2
 HUGE = (16384, 8192)  # float32: 256 MiB per rank of 2
 SMALL = (64, 256)
 KILL_AT = 4 * MiB  # a victim dies when its data file reaches this size
+# The kernel signals (SIGXFSZ) only a write that starts at or past the limit; one that straddles
+# it is cut short in silence (the size check then fails the save instead). A write killed half
+# way therefore needs aio blocks smaller than KILL_AT, so that a later block starts past it.
+KILLABLE = {"aio_block_mb": 1}
 DEAD_PEER = "a rank died or timed out"
 
 
@@ -154,7 +158,7 @@ def run_faulty(
 def _die_at_file_size(limit: int) -> None:
     """SIGKILL this process as soon as it writes a file past ``limit`` bytes.
 
-    The kernel raises SIGXFSZ at exactly that point (RLIMIT_FSIZE); the handler
+    The kernel raises SIGXFSZ (RLIMIT_FSIZE) at the first write starting there (see KILLABLE); the handler
     turns it into SIGKILL, i.e. a crash in the middle of the write. Both the
     limit and the handler are inherited by processes forked from here on.
     """
@@ -257,7 +261,7 @@ def _die_while_writing(rank: int, world: int, root: str, victim: int) -> Raised:
     save(_sd("s", SMALL, rank, world, 1), f"{root}/prev")
     if rank == victim:
         _die_at_file_size(KILL_AT)
-    return _save_error(lambda: save(_sd("w", BIG, rank, world, 2), f"{root}/new"))
+    return _save_error(lambda: save(_sd("w", BIG, rank, world, 2), f"{root}/new", **KILLABLE))
 
 
 def _die_after_writing(rank: int, world: int, root: str, victim: int) -> Raised:
@@ -299,7 +303,7 @@ def _overwrite_and_die(rank: int, world: int, root: str, victim: int) -> Raised:
     save(_sd("w", BIG, rank, world, 1), f"{root}/ckpt")
     if rank == victim:
         _die_at_file_size(KILL_AT)
-    return _save_error(lambda: save(_sd("w", BIG, rank, world, 2), f"{root}/ckpt"))
+    return _save_error(lambda: save(_sd("w", BIG, rank, world, 2), f"{root}/ckpt", **KILLABLE))
 
 
 def test_overwrite_killed_half_way_is_refused_not_mixed(tmp_path):

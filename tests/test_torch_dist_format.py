@@ -31,7 +31,7 @@ from fastpersist_dist.verify import verify_checkpoint
 
 from .helpers import COMMON_STATE_OBJECT, assert_same, empty_like_request, global_tensor, make_dir, save, sharded
 from .multiproc import run_ranks
-from .test_faults import KILL_AT, _die_at_file_size, _save_error, run_faulty
+from .test_faults import KILL_AT, KILLABLE, _die_at_file_size, _save_error, run_faulty
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool]
@@ -177,7 +177,7 @@ def _overwrite_and_die(rank: int, world: int, root: str, victim: int):
     if rank == victim:
         _die_at_file_size(KILL_AT)
     big = {"w": sharded("w", global_tensor("w", (2048, 4096), salt=2), rank, world, 0)}
-    return _save_error(lambda: save(big, f"{root}/ckpt", strategy=strategy()))
+    return _save_error(lambda: save(big, f"{root}/ckpt", strategy=strategy(**KILLABLE)))
 
 
 def _refused_by_every_loader(rank: int, world: int, path: str) -> list[str]:
