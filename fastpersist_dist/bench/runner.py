@@ -7,7 +7,10 @@ directory under the same target, durably (fsync), and then loads it back
 with the same sharding and, where it can, resharded (tensor-parallel splits
 moved to the other axis), checking every loaded value. Before each load the
 page cache of the checkpoint files is dropped with posix_fadvise(DONTNEED),
-so loads read from the device.
+so loads read from the device. Repetitions go round-robin over the contenders,
+the order rotated each round (see :func:`rotated`), and each rank runs torch
+with one intra-op thread where several ranks share the host, as ``torchrun``
+sets ``OMP_NUM_THREADS=1``.
 
 CPU seconds of a save are those of every process and thread that did its work:
 the rank's own process (all its threads: DeepSpeed's aio threads, torch's
