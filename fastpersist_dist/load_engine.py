@@ -18,9 +18,10 @@ import math
 import pickle
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from . import progress
@@ -29,8 +30,9 @@ from .coverage import record_extents
 from .errors import FastPersistError
 from .format import KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, dtype_from_name
 from .index_pages import Box, PagedIndex
-from .layout import Extent, intersect
+from .layout import intersect
 from .storage.reader import ShardReader
+from .read_exchange import ReadExchange, read_order
 from .storage.stream_reader import BoxRead, StreamReader
 
 logger = logging.getLogger(__name__)
@@ -58,8 +60,9 @@ class Loader:
             else:
                 self.objects[(r.key, r.global_offset)] = r
         self.nbytes = 0
+        self.exchanged = (0, 0)  # bytes sent to and received from other ranks by the last run()
         # Reads are planned per request, then run in file order (see run()).
-        self.reads: list[tuple[ShardRecord, Extent, tuple[int, ...], tuple[int, ...], torch.Tensor]] = []
+        self.reads: list[BoxRead] = []
 
     def load(self, item: Any) -> Any:
         """The loaded value of a ShardedTensor (reads planned) or ShardedObject (read now); others unchanged."""
@@ -96,7 +99,7 @@ class Loader:
                     continue
                 off, shape = inter
                 view = box_dest[tuple(slice(o - r, o - r + n) for o, r, n in zip(off, req_off, shape))]
-                self.reads.append((rec, ext, tuple(o - e for o, e in zip(off, ext.offset)), shape, view))
+                self.reads.append(BoxRead(rec, ext, tuple(o - e for o, e in zip(off, ext.offset)), shape, view))
                 covered += math.prod(shape)
         wanted = intersect(req_off, req_shape, (0,) * len(saved_shape), saved_shape)
         expected = 0 if wanted is None else math.prod(wanted[1])
@@ -108,29 +111,51 @@ class Loader:
         self.nbytes += covered * dtype_from_name(records[0].dtype).itemsize
         return dest
 
-    def run(self, threads: int) -> None:
+    def run(self, threads: int, group: Optional[dist.ProcessGroup] = None, share: bool = True) -> None:
         """Execute the planned reads sorted by file and offset: sequential I/O, whatever the dict order.
 
         With a stream, large aio reads into its locked double buffer (see
         storage/stream_reader.py); else with ``threads`` > 1, consecutive preads
         run on a small pool, so one read's I/O overlaps another's checksum and copy.
+        With ``group`` (collective over it), bytes several ranks need are read
+        once and sent to the others (see read_exchange.py), unless a rank of
+        the group passes ``share=False``.
         """
-        self.reads.sort(key=lambda r: (r[0].file, r[0].offset + r[0].data_offset + r[1].byte_start))
-        reads, self.reads = self.reads, []
-        shown = progress.task("load", sum(_nbytes(read[-1]) for read in reads))
+        reads, self.reads = sorted(self.reads, key=read_order), []
+        shown = progress.task("load", sum(_nbytes(r.dest) for r in reads))
+        exchange = None
+        if group is not None:
+            block = self.reader.index.checksum_block_bytes if self.reader.verify else None
+            exchange = ReadExchange.start(reads, group, block, self.reader.who, share)
+        if exchange is not None:
+            reads = exchange.reads
+            self.exchanged = (exchange.sent_bytes, exchange.received_bytes)
+
+        def placed(dest: torch.Tensor) -> None:
+            if exchange is None or not exchange.placed(dest):
+                shown.add(_nbytes(dest))
+
+        if exchange is None:
+            self._read(reads, threads, placed)
+        else:
+            exchange.complete(lambda: self._read(reads, threads, placed), shown.add)
+
+    def _read(self, reads: list[BoxRead], threads: int, placed: Callable[[torch.Tensor], None]) -> None:
+        """Run ``reads`` (in this order) with the stream or preads; ``placed(dest)`` after each is in place."""
         if self.stream is not None:
-            self.stream.run([BoxRead(*read) for read in reads], shown.add)
+            self.stream.run(reads, placed)
             return
         if threads <= 1 or len(reads) < 2:
-            for rec, ext, sub_off, shape, view in reads:
-                self.reader.read_box(rec, ext, sub_off, shape, view)
-                shown.add(_nbytes(view))
+            for r in reads:
+                self.reader.read_box(r.record, r.extent, r.sub_off, r.sub_shape, r.dest)
+                placed(r.dest)
             return
-        self.reader.open_all({rec.file for rec, *_ in reads})
+        self.reader.open_all({r.record.file for r in reads})
         with ThreadPoolExecutor(threads, thread_name_prefix="fastpersist-read") as pool:
-            for read, done in [(read, pool.submit(self.reader.read_box, *read)) for read in reads]:
+            for r, done in [(r, pool.submit(self.reader.read_box, r.record, r.extent, r.sub_off, r.sub_shape, r.dest))
+                            for r in reads]:
                 done.result()
-                shown.add(_nbytes(read[-1]))
+                placed(r.dest)
 
     def load_object(self, sh: ShardedObject) -> Any:
         """Read, verify and unpickle a ShardedObject (``weights_only`` unless objects are trusted)."""

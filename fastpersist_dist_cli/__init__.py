@@ -23,7 +23,7 @@ unusable directory."""
 # Contenders of `bench` in table order (fastpersist_dist.bench.baselines.CONTENDERS implements them)
 DEFAULT_CONTENDERS = ("device_bound", "fastpersist", "fastpersist_async", "fastpersist_dcp", "torch_dist",
                       "torch_dist_fully_parallel", "torch_save")
-CONTENDER_NAMES = DEFAULT_CONTENDERS + ("fastpersist_unbalanced", "fastpersist_dcp_ours", "fastpersist_dcp_fully_parallel")
+CONTENDER_NAMES = DEFAULT_CONTENDERS + ("fastpersist_unbalanced", "fastpersist_unshared", "fastpersist_dcp_ours", "fastpersist_dcp_fully_parallel")
 
 
 def _command(name: str) -> Callable[[argparse.Namespace], int]:

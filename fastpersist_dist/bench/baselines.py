@@ -131,6 +131,11 @@ def _fastpersist_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
     return dist_checkpointing.load(template, ckpt, sharded_strategy=FastPersistLoadStrategy())
 
 
+def _unshared_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
+    """Our loader with ``share_reads="off"``: every rank reads all it needs itself."""
+    return dist_checkpointing.load(template, ckpt, sharded_strategy=FastPersistLoadStrategy(share_reads="off"))
+
+
 def _torch_save_file(ckpt: str) -> str:
     return os.path.join(ckpt, f"rank{dist.get_rank():05d}.pt")
 
@@ -200,6 +205,8 @@ CONTENDERS: dict[str, Contender] = {
                                    "FastPersistSaveStrategy.async_save + AsyncSaveQueue, until durable"),
     "fastpersist_unbalanced": Contender(_unbalanced_save, _fastpersist_load, True,
                                         "FastPersist with balance=False: main replicas write everything"),
+    "fastpersist_unshared": Contender(_fastpersist_save, _unshared_load, True,
+                                      "FastPersist, loads with share_reads='off' (each rank reads all it needs)"),
     "fastpersist_dcp": Contender(_dcp_save, _megatron_load, True,
                                  "FastPersistSaveStrategy, torch_dist (DCP) format; megatron's stock loader"),
     "fastpersist_dcp_ours": Contender(_dcp_save, _fastpersist_load, True,

@@ -78,6 +78,18 @@ class Batch:
     pieces: list[Piece] = field(default_factory=list)
 
 
+def needed_ranges(read: BoxRead, block: Optional[int]) -> list[tuple[int, int]]:
+    """Record-relative byte ranges holding the sub-box (gaps up to MAX_READ_GAP read through).
+
+    ``block``: widened to whole checksum blocks of this size (None: exact bytes).
+    """
+    rec, ext = read.record, read.extent
+    size = dtype_from_name(rec.dtype).itemsize
+    starts, run = contiguous_runs(ext.shape, read.sub_off, read.sub_shape)
+    ranges = coalesce(starts * size + rec.data_offset + ext.byte_start, run * size, MAX_READ_GAP)
+    return blocks_touched(ranges, block, rec.length) if block else ranges
+
+
 def split_into_pieces(read: BoxRead, block: Optional[int], limit: int) -> list[Piece]:
     """Pieces of one read, each one byte range of at most ``limit`` bytes without a gap above MAX_READ_GAP.
 
@@ -85,11 +97,7 @@ def split_into_pieces(read: BoxRead, block: Optional[int], limit: int) -> list[P
     Splitting halves the sub-box along its first axis longer than 1, as often as needed.
     """
     rec, ext = read.record, read.extent
-    size = dtype_from_name(rec.dtype).itemsize
-    starts, run = contiguous_runs(ext.shape, read.sub_off, read.sub_shape)
-    ranges = coalesce(starts * size + rec.data_offset + ext.byte_start, run * size, MAX_READ_GAP)
-    if block:
-        ranges = blocks_touched(ranges, block, rec.length)
+    ranges = needed_ranges(read, block)
     lo, hi = ranges[0][0], ranges[-1][1]
     if (len(ranges) > 1 or hi - lo > limit) and split_axis(read.sub_shape) is not None:
         return [p for off, shape, part in halves(read.sub_off, read.sub_shape, read.dest)
@@ -140,12 +148,12 @@ class StreamReader:
         """Whether a slot holds two checksum blocks and the alignment slack: the most one element can need."""
         return self.slot_bytes - 2 * self.align >= 2 * self.block
 
-    def run(self, reads: list[BoxRead], done: Callable[[int], None]) -> None:
-        """Read, verify and copy out every read; ``done(nbytes)`` after each piece is in place."""
+    def run(self, reads: list[BoxRead], done: Callable[[torch.Tensor], None]) -> None:
+        """Read, verify and copy out every read; ``done(dest)`` with each piece's part of its destination once in place."""
         with copies_on_this_thread():
             self._run(reads, done)
 
-    def _run(self, reads: list[BoxRead], done: Callable[[int], None]) -> None:
+    def _run(self, reads: list[BoxRead], done: Callable[[torch.Tensor], None]) -> None:
         limit = self.slot_bytes - 2 * self.align
         pieces = [p for read in reads for p in split_into_pieces(read, self.block, limit)]
         batches = into_batches(pieces, self.slot_bytes, self.align)
@@ -191,7 +199,7 @@ class StreamReader:
             self.reader.pread_at(batch.file, slot[tail - batch.lo : batch.hi - batch.lo], tail,
                                  f"the end of {batch.file}")
 
-    def _consume(self, batch: Batch, slot: torch.Tensor, done: Callable[[int], None]) -> None:
+    def _consume(self, batch: Batch, slot: torch.Tensor, done: Callable[[torch.Tensor], None]) -> None:
         """Verify every block the batch's pieces touch (each once), then copy each piece out."""
         start = time.perf_counter()
         data = slot.numpy()
@@ -210,7 +218,7 @@ class StreamReader:
         self.seconds["verify"] += copied - start
         for piece in batch.pieces:
             _copy_out(piece.box, slot, batch.lo)
-            done(piece.box.dest.numel() * piece.box.dest.element_size())
+            done(piece.box.dest)
         self.seconds["copy"] += time.perf_counter() - copied
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -24,10 +25,11 @@ from ..commit import check_markers, read_index, read_top
 from ..errors import FastPersistError
 from ..format import INDEX_FILE, CheckpointIndex
 from ..load_engine import Loader, requested_boxes, sharded_metadata, tensors_metadata
+from ..read_exchange import fail_together, sharing_group
 from ..config import DirectIO, WriteConfig
 from ..storage.deepspeed_ops import aio_resources
 from ..storage.reader import ShardReader
-from ..storage.stream_reader import open_stream
+from ..storage.stream_reader import IN_MEMORY_FILESYSTEMS, filesystem_type, open_stream
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +58,26 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
             with this process's synchronous saves), except on in-memory filesystems
             (tmpfs), and falls back to pread where aio or O_DIRECT is unavailable;
             "on" raises there instead; "off" always uses pread.
+        share_reads: "auto" (default) and "on": bytes that several ranks need
+            (resharded loads, replicated tensors) are read by one of them and sent
+            to the others over ``parallel_group``, which makes the load
+            collective over that group, as megatron's own loaders are; "auto"
+            reads unshared where the checkpoint is on an in-memory filesystem
+            (tmpfs: a read is a memory copy, cheaper than a transfer); "off":
+            every rank reads all it needs itself, independently of the others.
+        parallel_group: the ranks that share reads; default: the default process
+            group when it has at most 64 ranks (each rank gathers every rank's
+            read list), else no sharing unless a group (one node's ranks) is given.
     """
 
     def __init__(self, verify_checksums: bool = True, trust_objects: bool = False, read_threads: int = 2,
-                 direct_io: DirectIO = "auto"):
+                 direct_io: DirectIO = "auto", share_reads: DirectIO = "auto",
+                 parallel_group: Optional[dist.ProcessGroup] = None):
         if read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {read_threads}")
-        if direct_io not in ("auto", "on", "off"):
-            raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {direct_io!r}")
+        for name, value in (("direct_io", direct_io), ("share_reads", share_reads)):
+            if value not in ("auto", "on", "off"):
+                raise ValueError(f"{name} must be 'auto', 'on' or 'off', got {value!r}")
         super().__init__()
         # megatron-core 0.19's load() dequantizes FP8 (Transformer Engine) tensors itself unless the
         # strategy says it does so per tensor; ours reads raw bytes into plain tensors, so it does not.
@@ -72,6 +86,8 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
         self.trust_objects = trust_objects
         self.read_threads = read_threads
         self.direct_io = direct_io
+        self.share_reads = share_reads
+        self.parallel_group = parallel_group
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -104,17 +120,29 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
             return compat.stock_load(sharded_state_dict, ckpt, async_strategy)
         start = time.perf_counter()
         rank = _rank()
-        index = read_index(ckpt, f"rank {rank}", requested_boxes(nested_values(sharded_state_dict)))
-        with ShardReader(ckpt, index, self.verify_checksums, f"rank {rank}") as reader:
-            stream = open_stream(reader, lambda: aio_resources(WriteConfig().aio), self.direct_io)
-            loader = Loader(index, reader, rank, self.trust_objects, stream)
-            dict_list_map_inplace(loader.load, sharded_state_dict)
-            loader.run(self.read_threads)
+        who = f"rank {rank}"
+        group = sharing_group(self.share_reads != "off", self.parallel_group)
+        with ExitStack() as closing:
+            try:
+                index = read_index(ckpt, who, requested_boxes(nested_values(sharded_state_dict)))
+                reader = closing.enter_context(ShardReader(ckpt, index, self.verify_checksums, who))
+                stream = open_stream(reader, lambda: aio_resources(WriteConfig().aio), self.direct_io)
+                loader = Loader(index, reader, rank, self.trust_objects, stream)
+                dict_list_map_inplace(loader.load, sharded_state_dict)
+            except Exception as e:
+                if group is not None:
+                    fail_together(e, group, who)  # the others raise naming this rank, at their next gather
+                raise
+            in_memory = filesystem_type(ckpt) in IN_MEMORY_FILESYSTEMS
+            loader.run(self.read_threads, group, self.share_reads == "on" or not in_memory)
         seconds = time.perf_counter() - start
+        sent, received = loader.exchanged
         (logger.info if rank == 0 else logger.debug)(
-            "fastpersist: rank %d loaded %.3f GiB from %s in %.2f s (%.2f GiB/s, checksums %s, %s)",
+            "fastpersist: rank %d loaded %.3f GiB from %s in %.2f s (%.2f GiB/s, checksums %s, %s%s)",
             rank, loader.nbytes / 2**30, ckpt, seconds, loader.nbytes / 2**30 / max(seconds, 1e-9),
             "verified" if self.verify_checksums else "not verified", "O_DIRECT aio" if stream else "pread",
+            f"; read for other ranks {sent / 2**30:.3f} GiB, received {received / 2**30:.3f} GiB"
+            if sent or received else "",
         )
         return sharded_state_dict
 

@@ -1,0 +1,169 @@
+"""Sharing the reads of resharded loads: the pure plan, and real loads on gloo ranks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+
+from fastpersist_dist import FastPersistLoadStrategy
+from fastpersist_dist.errors import CorruptCheckpointError, FastPersistError
+from fastpersist_dist.format import data_file_name
+from fastpersist_dist.read_exchange import sharing_group
+from fastpersist_dist.read_sharing import Need, Transfer, plan_sharing
+from fastpersist_dist.storage.stream_reader import IN_MEMORY_FILESYSTEMS, filesystem_type
+
+from .helpers import global_tensor, save
+from .multiproc import run_ranks
+
+MiB = 1 << 20
+
+
+def need(lo: int, hi: int, record: int = 0, file: str = "f") -> Need:
+    return Need(file, record, 0, (0,), (1,), lo, hi)
+
+
+def bytes_read(needs: list[list[Need]], transfers: list[Transfer]) -> list[int]:
+    """Bytes each rank reads under the plan: the union of its needs not received and those it reads for others."""
+    received = {(t.dst, t.need) for t in transfers}
+    ranges: list[list[Need]] = [[n for i, n in enumerate(ns) if (r, i) not in received] for r, ns in enumerate(needs)]
+    for t in transfers:
+        ranges[t.src].append(needs[t.dst][t.need])
+    out = []
+    for rank_ranges in ranges:
+        covered: set[tuple[str, int, int]] = set()
+        for n in rank_ranges:
+            covered.update((n.file, n.record, b) for b in range(n.lo, n.hi, MiB))
+        out.append(len(covered) * MiB)
+    return out
+
+
+def test_column_split_of_row_split_save_reads_each_piece_once_balanced():
+    # Two saved pieces (records 0 and 1); each loading rank needs half of every row of both.
+    needs = [[need(0, 8 * MiB, 0), need(8 * MiB, 16 * MiB, 1)] for _ in range(2)]
+    transfers = plan_sharing(needs)
+    assert len(transfers) == 2 and {t.src for t in transfers} == {0, 1}
+    assert all(t.src != t.dst for t in transfers)
+    assert bytes_read(needs, transfers) == [8 * MiB, 8 * MiB]  # was 16 MiB each
+
+
+def test_replicated_bytes_are_read_once_and_sent_to_every_rank():
+    needs = [[need(0, 4 * MiB)] for _ in range(4)]
+    transfers = plan_sharing(needs)
+    reader = transfers[0].src
+    assert sorted(t.dst for t in transfers) == sorted(set(range(4)) - {reader})
+    assert sum(bytes_read(needs, transfers)) == 4 * MiB
+
+
+def test_a_shared_boundary_block_is_not_worth_a_transfer():
+    # Row-split load of a row-split save, splits not on block boundaries: one block in common.
+    needs = [[need(0, 5 * MiB)], [need(4 * MiB, 9 * MiB)]]
+    assert plan_sharing(needs) == []
+
+
+def test_different_records_and_files_never_share():
+    needs = [[need(0, MiB, record=0)], [need(0, MiB, record=1)], [need(0, MiB, file="g")]]
+    assert plan_sharing(needs) == []
+
+
+def test_readers_balance_the_bytes_and_sends_follow_file_order():
+    # Rank 0 alone needs a large record; the shared ones should go to rank 1 mostly.
+    needs = [[need(0, 32 * MiB, record=0), need(40 * MiB, 44 * MiB, 1), need(50 * MiB, 54 * MiB, 2)],
+             [need(40 * MiB, 44 * MiB, 1), need(50 * MiB, 54 * MiB, 2)]]
+    transfers = plan_sharing(needs)
+    assert [(t.src, t.dst) for t in transfers] == [(1, 0), (1, 0)]
+    assert [needs[t.dst][t.need].lo for t in transfers] == [40 * MiB, 50 * MiB]
+    assert plan_sharing(needs) == transfers  # the same on every rank
+
+
+# ---- on real ranks ----------------------------------------------------------
+
+ROWS, COLS = 512, 6144  # 12 MiB of float32: two 4 MiB checksum blocks per saved half
+
+
+def _save_rows(rank: int, world: int, path: str) -> None:
+    full = global_tensor("w", (ROWS, COLS))
+    half = ROWS // world
+    save({"w": ShardedTensor.from_rank_offsets("w", full[rank * half:(rank + 1) * half].clone(), (0, rank, world))},
+         path)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _load_columns(rank: int, world: int, path: str, share: str, direct_io: str) -> list[str]:
+    records = _Records()
+    logger = logging.getLogger("fastpersist_dist.read_exchange")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(records)
+    cols = COLS // world
+    want = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, cols), (1, rank, world))}
+    loaded = dist_checkpointing.load(want, path, sharded_strategy=FastPersistLoadStrategy(
+        share_reads=share, direct_io=direct_io))
+    assert torch.equal(loaded["w"], global_tensor("w", (ROWS, COLS))[:, rank * cols:(rank + 1) * cols]), rank
+    return [m for m in records.messages if "shared load" in m and "planned in" in m]
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_resharded_load_reads_once_and_exchanges(tmp_path, direct_io):
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, _save_rows, path)
+    share = "on" if filesystem_type(path) in IN_MEMORY_FILESYSTEMS else "auto"  # where /tmp is tmpfs
+    logs = run_ranks(2, _load_columns, path, share, direct_io)
+    # Each rank reads its half of the saved rows and sends the other rank its columns of it.
+    quarter = f"{ROWS * COLS * 4 / 4 / 2**30:.3f} GiB"
+    assert all(len(lines) == 1 and f"1 for other ranks, {quarter}" in lines[0] and f"receives 1 ({quarter})" in lines[0]
+               for lines in logs), logs
+    assert run_ranks(2, _load_columns, path, "off", direct_io) == [[], []]
+
+
+def test_in_memory_filesystems_read_unshared_unless_told(tmp_path):
+    path = "/dev/shm/fastpersist-test-sharing"
+    if filesystem_type("/dev/shm") not in IN_MEMORY_FILESYSTEMS:
+        pytest.skip("no tmpfs at /dev/shm")
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        run_ranks(2, _save_rows, path)
+        assert run_ranks(2, _load_columns, path, "auto", "auto") == [[], []]
+        assert all(len(lines) == 1 for lines in run_ranks(2, _load_columns, path, "on", "auto"))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _load_expect_error(rank: int, world: int, path: str, bad_rank: int) -> str:
+    want = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS // world), (1, rank, world))}
+    exc = CorruptCheckpointError if rank == bad_rank else FastPersistError
+    assert sharing_group(True, None) is not None
+    with pytest.raises(exc) as info:
+        dist_checkpointing.load(want, path, sharded_strategy=FastPersistLoadStrategy())
+    # receives may still be posted on the group: later loads of this process must not share over it
+    assert sharing_group(True, None) is None
+    return str(info.value)
+
+
+def test_a_corrupt_block_read_for_another_rank_fails_the_load_on_every_rank(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, _save_rows, path)
+    victim = os.path.join(path, data_file_name(1))
+    with open(victim, "r+b") as f:
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0x01]))
+    # Rank 1 reads its own file's half for both ranks (the planner balances by bytes, ties to
+    # the rank that needs most, then the lower rank: rank 0 takes record 0 of file 0).
+    reader_msg, other_msg = run_ranks(2, _load_expect_error, path, 1)[::-1]
+    assert "checksum mismatch" in reader_msg and victim in reader_msg and "rank 1" in reader_msg
+    assert "a rank sharing its reads failed: group rank 1: CorruptCheckpointError" in other_msg
+    assert victim in other_msg and other_msg.startswith("rank 0")
