@@ -100,6 +100,20 @@ def empty_like_request(sh: ShardedTensor) -> ShardedTensor:
     )
 
 
+def flip_bit(path: str, offset: int, mask: int = 0x01) -> None:
+    """Damage one byte of a file in place: XOR the byte at ``offset`` with ``mask``, then fsync.
+
+    fsync: the device, not only the page cache, holds the damage (O_DIRECT reads see it).
+    """
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def make_dir(path: str) -> None:
     """megatron's save() needs the directory to exist on every rank."""
     if dist.get_rank() == 0:

@@ -27,7 +27,7 @@ from fastpersist_dist.commit import read_index
 from fastpersist_dist.format import INDEX_FILE, data_file_name
 from fastpersist_dist.index_pages import part_file_name
 
-from .helpers import assert_same, global_tensor, load, save, sharded
+from .helpers import assert_same, flip_bit, global_tensor, load, save, sharded
 from .multiproc import run_ranks
 
 
@@ -174,11 +174,7 @@ def test_flipped_byte_is_caught_with_file_key_and_offset(tmp_path):
     path = str(tmp_path / "ckpt")
     run_ranks(2, _save_small, path)
     victim = os.path.join(path, data_file_name(1))
-    with open(victim, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_bit(victim, 100, 0x10)
     msg = run_ranks(1, _load_expect, path, CorruptCheckpointError, "checksum mismatch")[0]
     assert victim in msg and "'w'" in msg and "byte offset 0" in msg and "rank 0" in msg
     run_ranks(1, _load_expect_silent_with_verify_off, path)

@@ -62,6 +62,7 @@ from .helpers import (
     ASYNC_KW,
     COMMON_STATE_OBJECT,
     assert_same,
+    flip_bit,
     global_tensor,
     load,
     make_dir,
@@ -441,16 +442,6 @@ def _records(lengths: list[int], rank: int) -> list[WriteItem]:
     return shards
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _readback(rank: int, world: int, root: str) -> None:
     # In a forked process: the aio handle and torch's thread pool stay out of the pytest process.
     rank, block = 3, MiB
@@ -462,7 +453,7 @@ def _readback(rank: int, world: int, root: str) -> None:
     assert confirm_on_disk(path, records, block, rank) == MiB + 5  # default: first and last block of the file
     assert confirm_on_disk(path, records, block, rank, stride=1) == sum(lengths)
 
-    _flip(path, lengths[0] + MiB + 7)  # inside block 1 of r2: not sampled by default
+    flip_bit(path, lengths[0] + MiB + 7)  # inside block 1 of r2: not sampled by default
     assert confirm_on_disk(path, records, block, rank) == MiB + 5
     with pytest.raises(FastPersistError) as info:
         confirm_on_disk(path, records, block, rank, stride=1)
@@ -470,7 +461,7 @@ def _readback(rank: int, world: int, root: str) -> None:
     assert f"rank {rank}: read-back of {path} at byte offset {lengths[0] + MiB}" in message, message
     assert "(block 1 of 'r2'" in message and "does not match the bytes written" in message, message
 
-    _flip(path, sum(lengths) - 1)  # the 5-byte tail, which DeepSpeed writes without O_DIRECT
+    flip_bit(path, sum(lengths) - 1)  # the 5-byte tail, which DeepSpeed writes without O_DIRECT
     with pytest.raises(FastPersistError, match=f"at byte offset {sum(lengths) - 5} \\(block 3 of 'r2'"):
         confirm_on_disk(path, records, block, rank)
 

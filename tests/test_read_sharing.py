@@ -18,7 +18,7 @@ from fastpersist_dist.read_exchange import sharing_group
 from fastpersist_dist.read_sharing import Need, Transfer, plan_sharing
 from fastpersist_dist.storage.stream_reader import IN_MEMORY_FILESYSTEMS, filesystem_type
 
-from .helpers import global_tensor, save
+from .helpers import flip_bit, global_tensor, save
 from .multiproc import run_ranks
 
 MiB = 1 << 20
@@ -156,11 +156,7 @@ def test_a_corrupt_block_read_for_another_rank_fails_the_load_on_every_rank(tmp_
     path = str(tmp_path / "ckpt")
     run_ranks(2, _save_rows, path)
     victim = os.path.join(path, data_file_name(1))
-    with open(victim, "r+b") as f:
-        f.seek(4096)
-        byte = f.read(1)
-        f.seek(4096)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_bit(victim, 4096)
     # Rank 1 reads its own file's half for both ranks (the planner balances by bytes, ties to
     # the rank that needs most, then the lower rank: rank 0 takes record 0 of file 0).
     reader_msg, other_msg = run_ranks(2, _load_expect_error, path, 1)[::-1]

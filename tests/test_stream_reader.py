@@ -34,7 +34,7 @@ from fastpersist_dist.storage.stream_reader import (
     split_into_pieces,
 )
 
-from .helpers import assert_same, empty_like_request, global_tensor, load, save, sharded
+from .helpers import assert_same, empty_like_request, flip_bit, global_tensor, load, save, sharded
 from .multiproc import run_ranks
 
 BIG = (1002, 1030)  # rows of 4120 bytes: nothing aligned
@@ -154,11 +154,7 @@ def test_corrupt_block_in_the_middle_of_a_coalesced_read_is_caught(tmp_path):
     big = next(r for r in index.records if r.key == "big")
     victim = os.path.join(path, data_file_name(0))
     at = big.offset + 2 * MiB + 12345  # block 2 of 'big' (1 MiB blocks): neither first nor last
-    with open(victim, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_bit(victim, at)
     for slot in (SLOT, 64 * MiB):  # the block mid-slot in a read of many blocks, and in a small read
         msg = run_ranks(1, _expect_corrupt, path, slot)[0]
         assert victim in msg and "'big'" in msg and "rank 0" in msg, msg

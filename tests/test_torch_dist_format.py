@@ -29,7 +29,8 @@ from fastpersist_dist.format import INDEX_FILE
 from fastpersist_dist.index_pages import part_file_name
 from fastpersist_dist.verify import verify_checkpoint
 
-from .helpers import COMMON_STATE_OBJECT, assert_same, empty_like_request, global_tensor, make_dir, save, sharded
+from .helpers import (COMMON_STATE_OBJECT, assert_same, empty_like_request, flip_bit, global_tensor, make_dir, save,
+                      sharded)
 from .multiproc import run_ranks
 from .test_faults import KILL_AT, KILLABLE, _die_at_file_size, _save_error, run_faulty
 
@@ -143,11 +144,7 @@ def test_verify_and_inspect_know_the_format(saved, tmp_path):
     shutil.copytree(saved, path)
     rec = next(r for r in read_index(path, "test").records if r.key == "float32.rows" and r.file == "__1_0.distcp")
     at = rec.offset + rec.data_offset + 5  # one byte of tensor data
-    with open(os.path.join(path, "__1_0.distcp"), "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_bit(os.path.join(path, "__1_0.distcp"), at, 0x10)
     problems = verify_checkpoint(path).problems
     assert any("checksum mismatch" in p and "__1_0.distcp" in p and "float32.rows" in p for p in problems), problems
     with pytest.raises(AssertionError, match="CorruptCheckpointError: .*checksum mismatch"):
