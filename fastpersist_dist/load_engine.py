@@ -31,8 +31,8 @@ from .errors import FastPersistError
 from .format import KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, dtype_from_name
 from .index_pages import Box, PagedIndex
 from .layout import intersect
-from .storage.reader import ShardReader
 from .read_exchange import ReadExchange, read_order
+from .storage.reader import ShardReader
 from .storage.stream_reader import BoxRead, StreamReader
 
 logger = logging.getLogger(__name__)
