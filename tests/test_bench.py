@@ -31,6 +31,7 @@ def test_repetitions_rotate_the_contenders():
     rounds = [rotated(names, rep) for rep in range(3)]
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     assert rotated(names, 4) == rounds[1] and rotated((), 2) == []
+    assert rotated([("aio_block_mb", 8), ("aio_block_mb", 32)], 1) == [("aio_block_mb", 32), ("aio_block_mb", 8)]
 
 
 def test_bench_command_tiny(tmp_path):

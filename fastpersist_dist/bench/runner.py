@@ -34,7 +34,7 @@ import time
 import traceback
 from queue import Empty
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -184,15 +184,18 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int) -> tuple[GptShape, list[R
     return shape, [results[name] for name in cfg.contenders]
 
 
-def rotated(names: tuple[str, ...], rep: int) -> list[str]:
-    """The contenders of repetition ``rep``, each round starting one further along.
+T = TypeVar("T")
+
+
+def rotated(names: Sequence[T], rep: int) -> list[T]:
+    """The contenders (or sweep settings) of repetition ``rep``, each round starting one further along.
 
     Round-robin rather than one contender's repetitions in a row, and rotated, so
     that drift of the machine (a disk's write cache, a VM's memory given back to
     the host and faulted in again) hits every contender alike, not the first one.
     """
     shift = rep % len(names) if names else 0
-    return list(names[shift:] + names[:shift])
+    return list(names[shift:]) + list(names[:shift])
 
 
 def _one_rep(rank: int, cfg: BenchConfig, name: str, rep: int, res: Result, sd: dict, resharded: dict,
