@@ -122,7 +122,7 @@ class Loader:
         the group passes ``share=False``.
         """
         reads, self.reads = sorted(self.reads, key=read_order), []
-        shown = progress.task("load", sum(_nbytes(r.dest) for r in reads))
+        shown = progress.task("load", sum(r.dest.nbytes for r in reads))
         exchange = None
         if group is not None:
             block = self.reader.index.checksum_block_bytes if self.reader.verify else None
@@ -133,7 +133,7 @@ class Loader:
 
         def placed(dest: torch.Tensor) -> None:
             if exchange is None or not exchange.placed(dest):
-                shown.add(_nbytes(dest))
+                shown.add(dest.nbytes)
 
         if exchange is None:
             self._read(reads, threads, placed)
@@ -187,10 +187,6 @@ def requested_boxes(items: Iterable[Any]) -> dict[str, list[Box]]:
             low = tuple(item.global_offset)
             wants[item.key].append((low, tuple(o + 1 for o in low)))
     return dict(wants)
-
-
-def _nbytes(view: torch.Tensor) -> int:
-    return view.numel() * view.element_size()
 
 
 def tensors_metadata(index: Union[CheckpointIndex, PagedIndex]) -> dict[str, ShardedTensor]:

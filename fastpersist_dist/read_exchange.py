@@ -124,10 +124,6 @@ class _Outgoing:
     left: int  # bytes not yet read into ``buffer``
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class ReadExchange:
     """The shared part of one load on one rank; :meth:`start` decides whether there is one."""
 
@@ -149,10 +145,10 @@ class ReadExchange:
             own = known[(need.file, need.record, need.extent)]  # the reader always needs part of the extent
             buffer = torch.empty(need.sub_shape, dtype=dtype_from_name(own.record.dtype), device=device)
             local.append(BoxRead(own.record, own.extent, need.sub_off, need.sub_shape, buffer))
-            self.outgoing.append(_Outgoing(t.dst, buffer, _nbytes(buffer)))
+            self.outgoing.append(_Outgoing(t.dst, buffer, buffer.nbytes))
         self._by_storage = {o.buffer.untyped_storage().data_ptr(): o for o in self.outgoing}
         self.reads = sorted(local, key=read_order)
-        self.received_bytes = sum(_nbytes(reads[t.need].dest) for t in mine)
+        self.received_bytes = sum(reads[t.need].dest.nbytes for t in mine)
         self.sent_bytes = sum(o.left for o in self.outgoing)
         self._next = 0  # outgoing[:_next] are sent
         self._sends: list[dist.Work] = []
@@ -191,7 +187,7 @@ class ReadExchange:
         out = self._by_storage.get(dest.untyped_storage().data_ptr())
         if out is None:
             return False
-        out.left -= _nbytes(dest)
+        out.left -= dest.nbytes
         while self._next < len(self.outgoing) and self.outgoing[self._next].left == 0:
             o = self.outgoing[self._next]
             self._sends.append(dist.isend(o.buffer, group=self.group, group_dst=o.dst, tag=TAG))
@@ -223,7 +219,7 @@ class ReadExchange:
             work.wait()
             if into is not dest:
                 dest.copy_(into)
-            received(_nbytes(dest))
+            received(dest.nbytes)
         for work in self._sends:
             work.wait()
         logger.debug("fastpersist: %s: shared load: reads and sends %.3f s, then receives %.3f s", self.who,

@@ -16,7 +16,7 @@ from fastpersist_dist.errors import CorruptCheckpointError, FastPersistError
 from fastpersist_dist.format import data_file_name
 from fastpersist_dist.read_exchange import sharing_group
 from fastpersist_dist.read_sharing import Need, Transfer, plan_sharing
-from fastpersist_dist.storage.stream_reader import IN_MEMORY_FILESYSTEMS, filesystem_type
+from fastpersist_dist.storage.stream_reader import on_memory_filesystem
 
 from .helpers import flip_bit, global_tensor, save
 from .multiproc import run_ranks
@@ -119,7 +119,7 @@ def _load_columns(rank: int, world: int, path: str, share: str, direct_io: str) 
 def test_resharded_load_reads_once_and_exchanges(tmp_path, direct_io):
     path = str(tmp_path / "ckpt")
     run_ranks(2, _save_rows, path)
-    share = "on" if filesystem_type(path) in IN_MEMORY_FILESYSTEMS else "auto"  # where /tmp is tmpfs
+    share = "on" if on_memory_filesystem(path) else "auto"  # where /tmp is tmpfs
     logs = run_ranks(2, _load_columns, path, share, direct_io)
     # Each rank reads its half of the saved rows and sends the other rank its columns of it.
     quarter = f"{ROWS * COLS * 4 / 4 / 2**30:.3f} GiB"
@@ -130,7 +130,7 @@ def test_resharded_load_reads_once_and_exchanges(tmp_path, direct_io):
 
 def test_in_memory_filesystems_read_unshared_unless_told(tmp_path):
     path = "/dev/shm/fastpersist-test-sharing"
-    if filesystem_type("/dev/shm") not in IN_MEMORY_FILESYSTEMS:
+    if not on_memory_filesystem("/dev/shm"):
         pytest.skip("no tmpfs at /dev/shm")
     shutil.rmtree(path, ignore_errors=True)
     try:

@@ -165,7 +165,6 @@ class ShardReader:
         src = torch.as_strided(elements, sub_shape, strides, (base - lo) // size + first)
         dest.copy_(src)
 
-
     def _staging(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of this thread's staging buffer, kept for the reader's next reads.
 

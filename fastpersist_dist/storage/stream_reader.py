@@ -258,6 +258,11 @@ def filesystem_type(path: str) -> Optional[str]:
     return kind
 
 
+def on_memory_filesystem(path: str) -> bool:
+    """Whether ``path`` is on an in-memory filesystem (tmpfs), where a read is a memory copy."""
+    return filesystem_type(path) in IN_MEMORY_FILESYSTEMS
+
+
 def open_stream(reader: ShardReader, aio: Callable[[], AioResources], direct_io: str) -> Optional[StreamReader]:
     """The stream for this load, or None where plain pread is the better or the only way.
 
@@ -268,7 +273,7 @@ def open_stream(reader: ShardReader, aio: Callable[[], AioResources], direct_io:
     """
     if direct_io == "off" or not reader.verify or not reader.index.files:
         return None
-    if direct_io == "auto" and filesystem_type(reader.dir) in IN_MEMORY_FILESYSTEMS:
+    if direct_io == "auto" and on_memory_filesystem(reader.dir):
         return None
     try:
         stream = StreamReader(reader, aio())

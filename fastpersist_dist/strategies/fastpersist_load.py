@@ -29,7 +29,7 @@ from ..read_exchange import fail_together, sharing_group
 from ..config import DirectIO, WriteConfig
 from ..storage.deepspeed_ops import aio_resources
 from ..storage.reader import ShardReader
-from ..storage.stream_reader import IN_MEMORY_FILESYSTEMS, filesystem_type, open_stream
+from ..storage.stream_reader import on_memory_filesystem, open_stream
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,7 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
                 if group is not None:
                     fail_together(e, group, who)  # the others raise naming this rank, at their next gather
                 raise
-            in_memory = filesystem_type(ckpt) in IN_MEMORY_FILESYSTEMS
-            loader.run(self.read_threads, group, self.share_reads == "on" or not in_memory)
+            loader.run(self.read_threads, group, self.share_reads == "on" or not on_memory_filesystem(ckpt))
         seconds = time.perf_counter() - start
         sent, received = loader.exchanged
         (logger.info if rank == 0 else logger.debug)(
