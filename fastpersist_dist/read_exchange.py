@@ -32,6 +32,7 @@ import torch.distributed as dist
 from .errors import FastPersistError
 from .format import dtype_from_name
 from .read_sharing import Need, Transfer, plan_sharing
+from .storage.reader import MAX_READ_GAP
 from .storage.stream_reader import BoxRead, needed_ranges
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,10 @@ logger = logging.getLogger(__name__)
 # Sharing reads gathers every rank's needs on every rank of the group: the default
 # process group is used up to this many ranks; larger jobs pass a group (one node's ranks).
 DEFAULT_GROUP_MAX_RANKS = 64
+# Reads up to this size that lie alone between another rank's reads are taken over by that
+# rank (read_sharing.py): up to one aio block (32 MiB by default), which the device serves
+# at a queue depth of one; the resharded bench load had 8-15 MiB ones.
+ABSORB_MAX_BYTES = 32 << 20
 # Tag of our point-to-point messages (gloo matches on it; NCCL ignores it).
 TAG = 0x4650
 
@@ -173,7 +178,7 @@ class ReadExchange:
         everyone = gather_or_fail([need_of(r, block) for r in reads] if share else None, group, who)
         if any(needs is None for needs in everyone):
             return None
-        transfers = plan_sharing(everyone)
+        transfers = plan_sharing(everyone, MAX_READ_GAP, ABSORB_MAX_BYTES)
         if not transfers:
             return None
         ex = cls(reads, everyone, transfers, group, who)

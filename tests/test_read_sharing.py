@@ -81,6 +81,29 @@ def test_readers_balance_the_bytes_and_sends_follow_file_order():
     assert plan_sharing(needs) == transfers  # the same on every rank
 
 
+def test_a_read_alone_between_another_ranks_reads_is_taken_over():
+    # File f: rank 1 reads [0, 16) and [20, 32) MiB; rank 0 needs [16, 24) of the second extent
+    # (its top rows), one read of its own in the middle of rank 1's. Rank 0 also reads file g.
+    needs = [[need(0, 48 * MiB, file="g"), need(16 * MiB, 24 * MiB, record=1)],
+             [need(0, 16 * MiB), need(20 * MiB, 32 * MiB, record=1), need(32 * MiB, 48 * MiB, record=2)]]
+    assert plan_sharing(needs) == []  # by default nothing is taken over
+    transfers = plan_sharing(needs, gap=MiB // 4, absorb_max=32 * MiB)
+    assert transfers == [Transfer(1, 0, 1)]  # rank 1 reads [0, 48) of f in one run
+    assert bytes_read(needs, transfers) == [48 * MiB, 48 * MiB]
+    assert plan_sharing(needs, gap=MiB // 4, absorb_max=4 * MiB) == []  # larger than absorb_max
+
+
+def test_isolated_reads_stay_where_the_neighbour_lacks_the_extent_or_room():
+    lonely = [need(0, 48 * MiB, file="g"), need(16 * MiB, 24 * MiB, record=1)]
+    # Rank 1 needs nothing of record 1: it has no way to read it (its index pages may lack it).
+    needs = [lonely, [need(0, 16 * MiB), need(24 * MiB, 40 * MiB, record=2)]]
+    assert plan_sharing(needs, gap=MiB // 4, absorb_max=32 * MiB) == []
+    # Rank 1 would read more than an even share plus ABSORB_ALLOWANCE.
+    needs = [[need(16 * MiB, 24 * MiB, record=1)],
+             [need(0, 16 * MiB), need(20 * MiB, 32 * MiB, record=1), need(32 * MiB, 48 * MiB, record=2)]]
+    assert plan_sharing(needs, gap=MiB // 4, absorb_max=32 * MiB) == []
+
+
 # ---- on real ranks ----------------------------------------------------------
 
 ROWS, COLS = 512, 6144  # 12 MiB of float32: two 4 MiB checksum blocks per saved half
@@ -126,6 +149,42 @@ def test_resharded_load_reads_once_and_exchanges(tmp_path, direct_io):
     assert all(len(lines) == 1 and f"1 for other ranks, {quarter}" in lines[0] and f"receives 1 ({quarter})" in lines[0]
                for lines in logs), logs
     assert run_ranks(2, _load_columns, path, "off", direct_io) == [[], []]
+
+
+SMALL = (1024, 1024)  # 4 MiB of float32, saved split by columns: 2 MiB per file, after the 6 MiB of "w"
+
+
+def _save_rows_and_columns(rank: int, world: int, path: str) -> None:
+    half, cols = ROWS // world, SMALL[1] // world
+    full, small = global_tensor("w", (ROWS, COLS)), global_tensor("z", SMALL)
+    save({"w": ShardedTensor.from_rank_offsets("w", full[rank * half:(rank + 1) * half].clone(), (0, rank, world)),
+          "z": ShardedTensor.from_rank_offsets("z", small[:, rank * cols:(rank + 1) * cols].clone(), (1, rank, world))},
+         path, checksum_block_mb=1)
+
+
+def _load_transposed(rank: int, world: int, path: str) -> list[str]:
+    records = _Records()
+    logger = logging.getLogger("fastpersist_dist.read_exchange")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(records)
+    cols, rows = COLS // world, SMALL[0] // world
+    want = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, cols), (1, rank, world)),
+            "z": ShardedTensor.from_rank_offsets("z", torch.zeros(rows, SMALL[1]), (0, rank, world))}
+    loaded = dist_checkpointing.load(want, path, sharded_strategy=FastPersistLoadStrategy(share_reads="on"))
+    assert torch.equal(loaded["w"], global_tensor("w", (ROWS, COLS))[:, rank * cols:(rank + 1) * cols]), rank
+    assert torch.equal(loaded["z"], global_tensor("z", SMALL)[rank * rows:(rank + 1) * rows]), rank
+    return [m for m in records.messages if "shared load" in m and "planned in" in m]
+
+
+def test_resharded_load_takes_over_reads_alone_between_the_other_ranks(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, _save_rows_and_columns, path)
+    logs = run_ranks(2, _load_transposed, path)
+    # Each rank reads one file whole: its "w" piece for both ranks, then the top and bottom
+    # rows of its "z" piece (2 MiB), and sends the other rank its columns of "w" and its rows of "z".
+    sent = f"{(ROWS * COLS // 4 + SMALL[0] * SMALL[1] // 4) * 4 / 2**30:.3f} GiB"
+    assert all(len(lines) == 1 and f"2 for other ranks, {sent}" in lines[0] and f"receives 2 ({sent})" in lines[0]
+               for lines in logs), logs
 
 
 def test_in_memory_filesystems_read_unshared_unless_told(tmp_path):
