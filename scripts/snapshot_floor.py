@@ -39,11 +39,9 @@ def main() -> None:
     for rep in range(args.reps):
         buffers: list[SharedBuffer] = []
         alloc = _timed(lambda: buffers.append(SharedBuffer(nbytes)))
-        dest = buffers[0].tensor.view(torch.float32)
-        first, again = _timed(lambda: dest.copy_(source)), _timed(lambda: dest.copy_(source))
+        first, again = (_timed(lambda: buffers[0].tensor.view(torch.float32).copy_(source)) for _ in range(2))
         print(f"rep {rep + 1}: {nbytes / (1 << 30):.2f} GiB buffer allocated+mapped {alloc:.3f} s; "
               f"copy into it {first:.3f} s, again {again:.3f} s ({nbytes / again / (1 << 30):.1f} GiB/s)")
-        del dest
         buffers[0].close()
     client = writer_client()
     ready = _timed(client.wait_ready)

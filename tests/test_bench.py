@@ -11,7 +11,7 @@ import time
 import pytest
 
 from fastpersist_dist.bench import training_loop
-from fastpersist_dist.bench.baselines import DEFAULT_CONTENDERS
+from fastpersist_dist_cli import DEFAULT_CONTENDERS
 from fastpersist_dist.bench.gpt_state import GptShape
 from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed, on_ranks, rotated
 from fastpersist_dist.bench.sweep import SEARCH, format_sweep

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from fastpersist_dist.bench.baselines import CONTENDERS, DEFAULT_CONTENDERS
+from fastpersist_dist.bench.baselines import CONTENDERS
+from fastpersist_dist_cli import DEFAULT_CONTENDERS
 from fastpersist_dist_cli import CONTENDER_NAMES
 
 HEAVY = ("torch", "megatron", "deepspeed", "fastpersist_dist")

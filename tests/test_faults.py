@@ -349,7 +349,7 @@ def test_async_writer_killed_fails_on_every_rank_and_the_next_save_works(tmp_pat
         assert o.kind == "ok", o.value
         e = o.value[0]
         assert e.kind == "SaveFailedError" and "was NOT saved" in e.message, e
-        assert (f"rank 1: the writer process" in e.message and
+        assert ("rank 1: the writer process" in e.message and
                 f"of {os.path.join(new, data_file_name(1))} died before it finished" in e.message), e
     assert _files(new) == [], "a failed save removes its data files"
     run_ranks(2, _load_and_verify, f"{root}/again", "w", BIG, 3)

@@ -10,7 +10,6 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor, serialization
 
-import fastpersist_dist  # noqa: F401  (registers the backend)
 from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, compat
 from fastpersist_dist.format import INDEX_FILE, data_file_name
 

@@ -28,8 +28,6 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistSaveShardedStrategy,
 )
 
-from fastpersist_dist_cli import DEFAULT_CONTENDERS  # names the command checks before importing this
-
 from .. import compat
 from ..async_queue import AsyncSaveQueue, collective_device
 from ..config import WriteConfig

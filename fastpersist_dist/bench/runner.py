@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from fastpersist_dist_cli import DEFAULT_CONTENDERS  # the command's names, checked before importing this
 
 from .. import progress
 from ..async_queue import collective_device
@@ -48,7 +49,7 @@ from ..format import INDEX_FILE
 from ..storage.deepspeed_ops import aio_resources
 from ..storage.writer import preload_ops
 from ..writer_process import writer_client
-from .baselines import CONTENDERS, DEFAULT_CONTENDERS, DEVICE_BOUND, SHIM_NOTE
+from .baselines import CONTENDERS, DEVICE_BOUND, SHIM_NOTE
 from .gpt_state import GptShape, gpt_sharded_state_dict
 
 GiB = 2**30
