@@ -116,26 +116,30 @@ def _save_rows(rank: int, world: int, path: str) -> None:
          path)
 
 
-class _Records(logging.Handler):
+class _Plans(logging.Handler):
+    """Collects the read exchange's "planned" debug lines of this process."""
+
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
+        self.lines: list[str] = []
+        logger = logging.getLogger("fastpersist_dist.read_exchange")
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+        message = record.getMessage()
+        if "shared load" in message and "planned in" in message:
+            self.lines.append(message)
 
 
 def _load_columns(rank: int, world: int, path: str, share: str, direct_io: str) -> list[str]:
-    records = _Records()
-    logger = logging.getLogger("fastpersist_dist.read_exchange")
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(records)
+    plans = _Plans()
     cols = COLS // world
     want = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, cols), (1, rank, world))}
     loaded = dist_checkpointing.load(want, path, sharded_strategy=FastPersistLoadStrategy(
         share_reads=share, direct_io=direct_io))
     assert torch.equal(loaded["w"], global_tensor("w", (ROWS, COLS))[:, rank * cols:(rank + 1) * cols]), rank
-    return [m for m in records.messages if "shared load" in m and "planned in" in m]
+    return plans.lines
 
 
 @pytest.mark.parametrize("direct_io", ["auto", "off"])
@@ -163,17 +167,14 @@ def _save_rows_and_columns(rank: int, world: int, path: str) -> None:
 
 
 def _load_transposed(rank: int, world: int, path: str) -> list[str]:
-    records = _Records()
-    logger = logging.getLogger("fastpersist_dist.read_exchange")
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(records)
+    plans = _Plans()
     cols, rows = COLS // world, SMALL[0] // world
     want = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, cols), (1, rank, world)),
             "z": ShardedTensor.from_rank_offsets("z", torch.zeros(rows, SMALL[1]), (0, rank, world))}
     loaded = dist_checkpointing.load(want, path, sharded_strategy=FastPersistLoadStrategy(share_reads="on"))
     assert torch.equal(loaded["w"], global_tensor("w", (ROWS, COLS))[:, rank * cols:(rank + 1) * cols]), rank
     assert torch.equal(loaded["z"], global_tensor("z", SMALL)[rank * rows:(rank + 1) * rows]), rank
-    return [m for m in records.messages if "shared load" in m and "planned in" in m]
+    return plans.lines
 
 
 def test_resharded_load_takes_over_reads_alone_between_the_other_ranks(tmp_path):
