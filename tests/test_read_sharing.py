@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 
 import pytest
@@ -102,6 +103,34 @@ def test_isolated_reads_stay_where_the_neighbour_lacks_the_extent_or_room():
     needs = [[need(16 * MiB, 24 * MiB, record=1)],
              [need(0, 16 * MiB), need(20 * MiB, 32 * MiB, record=1), need(32 * MiB, 48 * MiB, record=2)]]
     assert plan_sharing(needs, gap=MiB // 4, absorb_max=32 * MiB) == []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_plans_give_every_need_one_reader_that_has_its_extent(seed):
+    # What ReadExchange relies on: a need another rank reads for its owner is read by exactly one
+    # rank, which needs part of the same extent itself (it takes the record and extent from its
+    # own read); each sender's transfers are in file order; every rank computes the same plan.
+    rng = random.Random(seed)
+    world = rng.randint(2, 5)
+    needs: list[list[Need]] = [[] for _ in range(world)]
+    for f in ("a", "b", "c")[: rng.randint(1, 3)]:
+        pos = 0
+        for record in range(rng.randint(1, 12)):
+            size = rng.randint(1, 40) * MiB
+            for rank in rng.sample(range(world), rng.randint(1, world)):
+                lo = pos + rng.randint(0, size // MiB - 1) * MiB
+                needs[rank].append(need(lo, rng.randint(lo // MiB + 1, (pos + size) // MiB) * MiB, record, f))
+            pos += size + rng.choice((0, 0, MiB // 8, 4 * MiB))
+    transfers = plan_sharing(needs, gap=MiB // 4, absorb_max=32 * MiB)
+    assert transfers == plan_sharing([list(ns) for ns in needs], gap=MiB // 4, absorb_max=32 * MiB)
+    received = [(t.dst, t.need) for t in transfers]
+    assert len(received) == len(set(received)) and all(t.src != t.dst for t in transfers)
+    for t in transfers:
+        n = needs[t.dst][t.need]
+        assert any((m.file, m.record, m.extent) == (n.file, n.record, n.extent) for m in needs[t.src]), t
+    for src in range(world):
+        mine = [(needs[t.dst][t.need].file, needs[t.dst][t.need].lo) for t in transfers if t.src == src]
+        assert mine == sorted(mine)
 
 
 # ---- on real ranks ----------------------------------------------------------
