@@ -29,6 +29,7 @@ from typing import Any, Callable, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
+from .config import WriteConfig
 from .errors import FastPersistError
 from .format import dtype_from_name
 from .read_sharing import Need, Transfer, plan_sharing
@@ -41,9 +42,9 @@ logger = logging.getLogger(__name__)
 # process group is used up to this many ranks; larger jobs pass a group (one node's ranks).
 DEFAULT_GROUP_MAX_RANKS = 64
 # Reads up to this size that lie alone between another rank's reads are taken over by that
-# rank (read_sharing.py): up to one aio block (32 MiB by default), which the device serves
-# at a queue depth of one; the resharded bench load had 8-15 MiB ones.
-ABSORB_MAX_BYTES = 32 << 20
+# rank (read_sharing.py): up to one aio block of the loads' handle (32 MiB), which the device
+# serves at a queue depth of one; the resharded bench load had 8-15 MiB ones.
+ABSORB_MAX_BYTES = WriteConfig().aio.block_size
 # Tag of our point-to-point messages (gloo matches on it; NCCL ignores it).
 TAG = 0x4650
 

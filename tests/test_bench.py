@@ -11,12 +11,12 @@ import time
 import pytest
 
 from fastpersist_dist.bench import training_loop
-from fastpersist_dist_cli import DEFAULT_CONTENDERS
 from fastpersist_dist.bench.gpt_state import GptShape
 from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed, on_ranks, rotated
 from fastpersist_dist.bench.sweep import SEARCH, format_sweep
 from fastpersist_dist.bench.training_loop import DEFAULT_LOOP_CONTENDERS, LoopConfig
 from fastpersist_dist.config import WriteConfig
+from fastpersist_dist_cli import DEFAULT_CONTENDERS
 from fastpersist_dist_cli.quiet import LOGGED, WARNINGS
 
 

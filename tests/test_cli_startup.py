@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from fastpersist_dist.bench.baselines import CONTENDERS
-from fastpersist_dist_cli import DEFAULT_CONTENDERS
-from fastpersist_dist_cli import CONTENDER_NAMES
+from fastpersist_dist_cli import CONTENDER_NAMES, DEFAULT_CONTENDERS
 
 HEAVY = ("torch", "megatron", "deepspeed", "fastpersist_dist")
 
