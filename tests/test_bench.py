@@ -12,7 +12,7 @@ import pytest
 
 from fastpersist_dist.bench import training_loop
 from fastpersist_dist.bench.gpt_state import GptShape
-from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed, on_ranks, rotated
+from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed, balanced_order, on_ranks
 from fastpersist_dist.bench.sweep import SEARCH, format_sweep
 from fastpersist_dist.bench.training_loop import DEFAULT_LOOP_CONTENDERS, LoopConfig
 from fastpersist_dist.config import WriteConfig
@@ -25,13 +25,34 @@ def test_gpt_shape_sizes():
     assert shape.hidden % 128 == 0 and 0.5 < shape.total_bytes() / (2 << 30) <= 1.0
 
 
-def test_repetitions_rotate_the_contenders():
-    """Every contender runs once per round, and each takes every position in turn."""
-    names = ("a", "b", "c")
-    rounds = [rotated(names, rep) for rep in range(3)]
-    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
-    assert rotated(names, 4) == rounds[1] and rotated((), 2) == []
-    assert rotated([("aio_block_mb", 8), ("aio_block_mb", 32)], 1) == [("aio_block_mb", 32), ("aio_block_mb", 8)]
+def _followers(rounds: list[list]) -> dict:
+    """How often each (before, after) pair of contenders ran back to back within a round."""
+    pairs: dict = {}
+    for row in rounds:
+        for before, after in zip(row, row[1:]):
+            pairs[(before, after)] = pairs.get((before, after), 0) + 1
+    return pairs
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
+def test_repetitions_balance_order_and_neighbours(n):
+    """Every contender runs once per round, takes every position, and follows every other one equally often."""
+    names = [f"c{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n  # rounds after which the design is balanced
+    rounds = [balanced_order(names, rep) for rep in range(cycle)]
+    assert all(sorted(row) == names for row in rounds)
+    for name in names:
+        positions = sorted(row.index(name) for row in rounds)
+        assert positions == sorted(list(range(n)) * (cycle // n))
+    pairs = _followers(rounds)
+    assert set(pairs) == {(a, b) for a in names for b in names if a != b}
+    assert set(pairs.values()) == {cycle // n}
+    assert balanced_order(names, cycle + 1) == rounds[1]
+
+
+def test_balanced_order_of_sweep_settings_and_nothing():
+    assert balanced_order([("aio_block_mb", 8), ("aio_block_mb", 32)], 1) == [("aio_block_mb", 32), ("aio_block_mb", 8)]
+    assert balanced_order((), 2) == [] and balanced_order(["only"], 3) == ["only"]
 
 
 def test_bench_command_tiny(tmp_path):

@@ -7,8 +7,8 @@ directory under the same target, durably (fsync), and then loads it back
 with the same sharding and, where it can, resharded (tensor-parallel splits
 moved to the other axis), checking every loaded value. Before each load the
 page cache of the checkpoint files is dropped with posix_fadvise(DONTNEED),
-so loads read from the device. Repetitions go round-robin over the contenders,
-the order rotated each round (see :func:`rotated`), and each rank runs torch
+so loads read from the device. Repetitions go round-robin over the contenders in
+a balanced order (see :func:`balanced_order`), and each rank runs torch
 with one intra-op thread where several ranks share the host, as ``torchrun``
 sets ``OMP_NUM_THREADS=1``.
 
@@ -180,7 +180,7 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int) -> tuple[GptShape, list[R
         progress.install(display)
     results = {name: Result(name) for name in cfg.contenders}
     for rep in range(cfg.reps):
-        for name in rotated(cfg.contenders, rep):
+        for name in balanced_order(cfg.contenders, rep):
             _one_rep(rank, cfg, name, rep, results[name], sd, resharded, display)
     return shape, [results[name] for name in cfg.contenders]
 
@@ -188,15 +188,28 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int) -> tuple[GptShape, list[R
 T = TypeVar("T")
 
 
-def rotated(names: Sequence[T], rep: int) -> list[T]:
-    """The contenders (or sweep settings) of repetition ``rep``, each round starting one further along.
+def balanced_order(names: Sequence[T], rep: int) -> list[T]:
+    """The contenders (or sweep settings) of repetition ``rep``: a Williams design, one row per round.
 
-    Round-robin rather than one contender's repetitions in a row, and rotated, so
-    that drift of the machine (a disk's write cache, a VM's memory given back to
-    the host and faulted in again) hits every contender alike, not the first one.
+    Round-robin rather than one contender's repetitions in a row, so that drift of
+    the machine (a disk's write cache, a VM's memory given back to the host and
+    faulted in again) hits every contender alike; and each contender follows each
+    other one equally often (once per ``n`` rounds for an even number ``n`` of
+    them, twice per ``2n`` for an odd one), because one contender's run slows the
+    next: with a plain rotation the same contender always ran right after the
+    device bound, and on /dev/shm that save took 0.15 to 0.3 s longer
+    (docs/performance.md). Each also takes every position once per ``n`` rounds.
     """
-    shift = rep % len(names) if names else 0
-    return list(names[shift:]) + list(names[:shift])
+    n = len(names)
+    if n == 0:
+        return []
+    first = [0]  # 0, 1, n-1, 2, n-2, ...: its steps between neighbours are all different mod n
+    for i in range(1, n):
+        first.append((i + 1) // 2 if i % 2 else n - i // 2)
+    if n % 2 == 0:
+        return [names[(i + rep) % n] for i in first]
+    row = [names[(i + rep // 2) % n] for i in first]  # odd n: each row, then the same row reversed
+    return row[::-1] if rep % 2 else row
 
 
 def _one_rep(rank: int, cfg: BenchConfig, name: str, rep: int, res: Result, sd: dict, resharded: dict,

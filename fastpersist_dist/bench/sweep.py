@@ -12,7 +12,7 @@ import sys
 from typing import Any, Callable
 
 from ..config import WriteConfig
-from .runner import BenchConfig, rotated, run, summary
+from .runner import BenchConfig, balanced_order, run, summary
 
 # knob -> values tried (the default is always among them)
 SEARCH: dict[str, tuple[Any, ...]] = {
@@ -27,8 +27,8 @@ SEARCH: dict[str, tuple[Any, ...]] = {
 def sweep(base: BenchConfig, progress: Callable[[str], None] = print) -> list[dict]:
     """Save throughput for each value of each knob, the others at their defaults.
 
-    Repetitions are interleaved (every setting once, then again, each round
-    starting one setting further along: ``rotated``), so a drift of the device
+    Repetitions are interleaved (every setting once per round, in the
+    benchmark's balanced order: ``balanced_order``), so a drift of the device
     over the minutes of the search affects every setting alike.
     """
     defaults = WriteConfig()
@@ -36,7 +36,7 @@ def sweep(base: BenchConfig, progress: Callable[[str], None] = print) -> list[di
     times: dict[tuple[str, Any], list[float]] = {s: [] for s in settings}
     nbytes = 0
     for rep in range(base.reps):
-        for knob, value in rotated(settings, rep):
+        for knob, value in balanced_order(settings, rep):
             cfg = dataclasses.replace(base, contenders=("fastpersist",), loads=False, reps=1,
                                       write=dataclasses.replace(defaults, **{knob: value}))
             progress(f"sweep {rep + 1}/{base.reps}: {knob}={value}")

@@ -35,7 +35,7 @@ from ..strategies.fastpersist_save import FastPersistSaveStrategy
 from ..writer_process import writer_client
 from .baselines import SHIM_NOTE, torch_dist_cpu_shims
 from .gpt_state import GptShape, gpt_sharded_state_dict
-from .runner import GiB, BenchConfig, _over_ranks, init_rank, on_ranks, rotated
+from .runner import GiB, BenchConfig, _over_ranks, balanced_order, init_rank, on_ranks
 
 
 @dataclass(frozen=True)
@@ -271,7 +271,7 @@ def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: in
     checkpointers = {name: CHECKPOINTERS[name](b) for name in contenders}
     runs: dict[str, list[LoopRun]] = {name: [] for name in contenders}
     for rep in range(b.reps):
-        for name in rotated(contenders, rep):
+        for name in balanced_order(contenders, rep):
             cp = checkpointers[name]
             root = os.path.join(b.directory, f"train-{name}-{rep}")
             if rank == 0:
