@@ -198,7 +198,7 @@ def balanced_order(names: Sequence[T], rep: int) -> list[T]:
     them, twice per ``2n`` for an odd one), because one contender's run slows the
     next: with a plain rotation the same contender always ran right after the
     device bound, and on /dev/shm that save took 0.15 to 0.3 s longer
-    (docs/performance.md). Each also takes every position once per ``n`` rounds.
+    (docs/performance.md). Over the same rounds each takes every position equally often.
     """
     n = len(names)
     if n == 0:
