@@ -90,7 +90,7 @@ def bench_train(args: argparse.Namespace) -> int:
     """``bench-train``: a training loop with async checkpoints, ours against megatron's."""
     from .bench.training_loop import main_train
 
-    return main_train(_bench_config(args), args.steps, args.every, args.contenders)
+    return main_train(_bench_config(args), args.steps, args.every, args.contenders, args.json)
 
 
 def _examine(command: str, examine: Callable[[str], Any], directory: str) -> Any:

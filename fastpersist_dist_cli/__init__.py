@@ -134,6 +134,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--every", type=_positive_int, default=10, help="checkpoint every K steps (default 10)")
     t.add_argument("--contenders", default=None, help="comma-separated, with 'none' (default: none, torch_dist, "
                    "fastpersist_megatron_queue, fastpersist)")
+    t.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     t.set_defaults(func=_command("bench_train"))
     w = sub.add_parser("sweep", help="search the write knobs one at a time around the defaults (FastPersist save)")
     _state_args(w)

@@ -133,6 +133,23 @@ def test_bench_train_rejects_bad_arguments():
         assert proc.returncode == 2 and "bench-train:" in proc.stderr, (args, proc.stderr[-2000:])
 
 
+def test_bench_train_command_writes_json(tmp_path):
+    """The command prints the table and writes the same report as JSON, with the chosen contenders only."""
+    out = tmp_path / "train.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastpersist_dist_cli", "bench-train", "--gib", "0.02", "--reps", "1", "--steps", "4",
+         "--every", "2", "--contenders", "none,fastpersist", "--dir", str(tmp_path / "t"), "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == ["none", "fastpersist"] and report["save_steps"] == [2]
+    assert rows["fastpersist"]["call_s"] is None and rows["fastpersist"]["first_call_s"] > 0  # one save: no later call
+    assert rows["fastpersist"]["durable_s"] > 0 and rows["fastpersist"]["sync_s"] > 0
+    assert "slowdown" in proc.stdout and "fastpersist" in proc.stdout
+
+
 def _burn_cpu(seconds: float) -> None:
     while time.process_time() < seconds:
         pass
