@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from fastpersist_dist_cli import main
 
@@ -68,9 +68,7 @@ def bench(args: argparse.Namespace) -> int:
     cfg = _bench_config(args, contenders=tuple(args.contenders.split(",")), keep=args.keep, write=write)
     rep = runner.run(cfg)
     print(runner.format_table(rep))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rep, f, indent=1)
+    _write_json(args.json, rep)
     if args.plot:
         from .bench.plot import plot_report
 
@@ -88,9 +86,14 @@ def sweep(args: argparse.Namespace) -> int:
 
 def bench_train(args: argparse.Namespace) -> int:
     """``bench-train``: a training loop with async checkpoints, ours against megatron's."""
-    from .bench.training_loop import main_train
+    from .bench.training_loop import format_loop_table, run_checked
 
-    return main_train(_bench_config(args), args.steps, args.every, args.contenders, args.json)
+    rep = run_checked(_bench_config(args), args.steps, args.every, args.contenders)
+    if rep is None:
+        return 2
+    print(format_loop_table(rep))
+    _write_json(args.json, rep)
+    return 0
 
 
 def _examine(command: str, examine: Callable[[str], Any], directory: str) -> Any:
@@ -151,10 +154,15 @@ def simulate(args: argparse.Namespace) -> int:
         print(f"simulate: {e}", file=sys.stderr)
         return 2
     print(simulation.format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    _write_json(args.json, rows)
     return 0
+
+
+def _write_json(path: Optional[str], report: Any) -> None:
+    """``--json PATH`` of the benchmark commands: the report they printed, as JSON (nothing without a path)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 __all__ = ["bench", "bench_train", "build_ops", "inspect", "main", "simulate", "sweep", "verify"]

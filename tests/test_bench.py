@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 
@@ -25,15 +26,6 @@ def test_gpt_shape_sizes():
     assert shape.hidden % 128 == 0 and 0.5 < shape.total_bytes() / (2 << 30) <= 1.0
 
 
-def _followers(rounds: list[list]) -> dict:
-    """How often each (before, after) pair of contenders ran back to back within a round."""
-    pairs: dict = {}
-    for row in rounds:
-        for before, after in zip(row, row[1:]):
-            pairs[(before, after)] = pairs.get((before, after), 0) + 1
-    return pairs
-
-
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
 def test_repetitions_balance_order_and_neighbours(n):
     """Every contender runs once per round, takes every position, and follows every other one equally often."""
@@ -44,7 +36,7 @@ def test_repetitions_balance_order_and_neighbours(n):
     for name in names:
         positions = sorted(row.index(name) for row in rounds)
         assert positions == sorted(list(range(n)) * (cycle // n))
-    pairs = _followers(rounds)
+    pairs = Counter(pair for row in rounds for pair in zip(row, row[1:]))  # (before, after) back to back
     assert set(pairs) == {(a, b) for a in names for b in names if a != b}
     assert set(pairs.values()) == {cycle // n}
     assert balanced_order(names, cycle + 1) == rounds[1]

@@ -15,7 +15,6 @@ every step, from the first repetition).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -378,18 +377,12 @@ def format_loop_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def main_train(bench: BenchConfig, steps: int, every: int, contenders: Optional[str],
-               json_path: Optional[str] = None) -> int:
-    """``fastpersist-dist bench-train``: run and print the table (and write it as JSON where asked); 2 on bad arguments."""
+def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional[str]) -> Optional[dict]:
+    """:func:`run` for ``fastpersist-dist bench-train``: None, after saying why on stderr, on bad arguments."""
     names = tuple(contenders.split(",")) if contenders else DEFAULT_LOOP_CONTENDERS
     unknown = set(names) - set(CHECKPOINTERS)
     if unknown or "none" not in names or every >= steps:
         print(f"bench-train: contenders must include 'none' and be among {sorted(CHECKPOINTERS)} "
               f"(unknown: {sorted(unknown)}); --every must be below --steps", file=sys.stderr)
-        return 2
-    rep = run(LoopConfig(bench, steps, every), names, progress=lambda m: print(m, file=sys.stderr))
-    print(format_loop_table(rep))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rep, f, indent=1)
-    return 0
+        return None
+    return run(LoopConfig(bench, steps, every), names, progress=lambda m: print(m, file=sys.stderr))
