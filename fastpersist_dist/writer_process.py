@@ -14,7 +14,9 @@ one connection per message, a message being a length-prefixed pickle:
 * ``("buffer", id, nbytes)`` with the memfd attached: map it (the trainer, when
   a snapshot buffer is made, or again for a new writer);
 * ``("drop", id)``: unmap it;
-* ``("ping",)``: answer ``("pong", None)`` (the writer is ready);
+* ``("ping", config)``: make the aio handle and bounce buffer of ``config`` (a
+  ``WriteConfig``, or None) unless they exist, then answer ``("pong", None)``
+  (the writer is ready);
 * ``("job", WriterJob)``: write the file, leave the status (as any writer does,
   see commit.py) and answer ``("done", None)``. The caller (the request's
   ``async_fn``, in whatever process megatron's or our queue runs it) waits for
@@ -50,7 +52,7 @@ from .format import ShardRecord
 from .per_process import PerProcess
 from .roles import WRITER_ENV
 from .storage.shared_memory import SharedBuffer, map_fd
-from .storage.writer import WriteItem, preload_ops
+from .storage.writer import WriteItem, preload_ops, prepare_direct_writes
 
 logger = logging.getLogger(__name__)
 
@@ -207,12 +209,15 @@ class WriterClient:
             self._share(buffer)
         return self._address, self._process.pid
 
-    def wait_ready(self) -> None:
-        """Start the writer if needed and wait until it serves (its imports and ops take seconds)."""
+    def wait_ready(self, config: Optional[WriteConfig] = None) -> None:
+        """Start the writer if needed and wait until it serves (its imports and ops take seconds).
+
+        With ``config``, also until it holds that configuration's aio handle and bounce buffer.
+        """
         address, pid = self.ensure_running()
         try:
             with _connect(address) as sock:
-                _send(sock, ("ping",))
+                _send(sock, ("ping", config))
                 _recv(sock)
         except (OSError, EOFError) as e:
             raise FastPersistError(f"the writer process {pid} did not start ({type(e).__name__}: {e})") from e
@@ -281,6 +286,8 @@ class _Writer:
             elif message[0] == "job":
                 _send(conn, self._write(message[1]))
             elif message[0] == "ping":
+                if message[1] is not None:
+                    prepare_direct_writes(message[1])
                 _send(conn, ("pong", None))
         finally:
             for fd in fds:

@@ -210,6 +210,17 @@ def test_load_ops_with_the_state_reserves_the_first_save_s_buffer_and_plan(tmp_p
         assert (leased_reserved, plan_reused, n) == (True, True, 1)
 
 
+def _locked_in_writer_after_load_ops(rank: int, world: int, buffer_mb: int) -> int:
+    native_strategy(io_buffer_mb=buffer_mb).load_ops()  # start-up, before any save
+    with open(f"/proc/{writer_client().pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmLck:"))
+
+
+def test_load_ops_readies_the_writer_s_bounce_buffer_of_that_configuration():
+    # Made in the first job instead, they delayed the first async save by a second under load.
+    assert run_ranks(1, _locked_in_writer_after_load_ops, 64) == [64 << 20]
+
+
 def test_writer_process_imports_no_megatron_core():
     probe = ("import json, sys; import fastpersist_dist.writer_process; "
              "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron')))")

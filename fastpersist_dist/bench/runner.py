@@ -174,7 +174,7 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int) -> tuple[GptShape, list[R
     preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
     aio_resources(cfg.write.aio)
     if "fastpersist_async" in cfg.contenders:  # and its writer process, as a trainer starts it (load_ops)
-        writer_client().wait_ready()
+        writer_client().wait_ready(cfg.write)
     display = progress.ProgressLine(sys.stderr)  # rank 0's bytes (its writer's and its reads)
     if rank == 0:
         progress.install(display)

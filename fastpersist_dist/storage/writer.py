@@ -124,6 +124,23 @@ def preload_ops(cfg: WriteConfig) -> None:
         ensure_fast_file_writer_usable()
 
 
+def prepare_direct_writes(cfg: WriteConfig) -> None:
+    """Make this process's aio handle and locked bounce buffer for ``cfg`` now, not in its first write.
+
+    For the async writer process, before it serves: made inside the first job,
+    they delayed that save by 1.2 s here while a training loop kept the cores
+    busy. Never in a trainer that may fork (a handle made before ``fork`` hangs
+    in the child). What fails here fails again in the write, which falls back
+    or raises with the cause.
+    """
+    if cfg.direct_io == "off" or not aio_available():
+        return
+    try:
+        aio_resources(cfg.aio)
+    except LockedMemoryError:
+        pass
+
+
 def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
     if cfg.direct_io == "off":
         return _BufferedSink(path)
