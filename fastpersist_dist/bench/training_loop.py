@@ -10,7 +10,8 @@ against a synchronous save of the same state by the same backend; the time from
 the call until the checkpoint was committed (seen at the next step's finalize,
 so with one step's resolution); and the extra host memory of the rank (its
 processes' memory above what the rank held before any checkpoint, sampled at
-every step, from the first repetition).
+every step of one more loop per contender, in fresh rank processes: in the
+timed run, a contender would reuse the heap that the one before it left).
 """
 
 from __future__ import annotations
@@ -148,7 +149,6 @@ WHAT = {
     "fastpersist": "FastPersistSaveStrategy() per save on AsyncSaveQueue (a thread per save; the rank's writer "
                    "process writes)",
 }
-# torch_dist before ours: memory is taken from the first repetition, before our snapshot buffer exists
 DEFAULT_LOOP_CONTENDERS = ("none", "torch_dist", "fastpersist_megatron_queue", "fastpersist")
 
 
@@ -225,8 +225,8 @@ def _remove(path: str) -> None:
 
 
 def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], cfg: LoopConfig, root: str,
-             baseline: int, sample_memory: bool) -> LoopRun:
-    """The loop with ``cp``'s checkpoints; times are this rank's."""
+             baseline: Optional[int] = None) -> LoopRun:
+    """The loop with ``cp``'s checkpoints; times are this rank's; peak memory above ``baseline`` if given."""
     run, pending = LoopRun(), []
     peak = 0
     with cp.shims():
@@ -243,30 +243,63 @@ def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], cfg: Loop
             for _ in range(cp.finalize(blocking=False)):
                 run.durable_s.append(time.perf_counter() - pending.pop(0))
             run.loop_s += time.perf_counter() - start
-            if sample_memory:
+            if baseline is not None:
                 peak = max(peak, host_memory(cp.uses_writer) - baseline)
         start = time.perf_counter()
         for _ in range(cp.finalize(blocking=True)):
             run.durable_s.append(time.perf_counter() - pending.pop(0))
         run.drain_s = time.perf_counter() - start
-        if cp.checkpoints and cfg.save_steps:
-            ckpt = os.path.join(root, "sync")
-            prepare_checkpoint_dir(ckpt)
-            start = time.perf_counter()
-            cp.sync_save(sd, ckpt)
-            run.sync_s = time.perf_counter() - start
     run.extra_bytes = peak
     return run
 
 
-def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: int) -> tuple[int, dict]:
-    b = cfg.bench
+def timed_sync_save(cp: _Checkpointer, sd: dict, root: str) -> float:
+    """Seconds of a synchronous save of the same state by the same backend (the ratios' denominator)."""
+    ckpt = os.path.join(root, "sync")
+    prepare_checkpoint_dir(ckpt)
+    with cp.shims():
+        start = time.perf_counter()
+        cp.sync_save(sd, ckpt)
+        return time.perf_counter() - start
+
+
+def _fresh_root(rank: int, root: str) -> None:
+    """An empty ``root`` (made by rank 0), once every rank is here."""
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+    dist.barrier()
+
+
+def _trainer(rank: int, b: BenchConfig, port: int) -> tuple[GptShape, dict, list[torch.Tensor]]:
+    """A rank at start-up: its state, every page of it touched once (the memory baseline holds it all)."""
     device = init_rank(rank, b.ranks, port)
     shape = GptShape.for_bytes(int(b.gib * GiB), b.tp)
     sd = gpt_sharded_state_dict(shape, b.tp, rank, b.ranks, device=device)
     tensors = [sh.data for sh in sd.values()]
-    train_step(tensors)  # every page touched once: the baseline holds the whole state
+    train_step(tensors)
+    return shape, sd, tensors
+
+
+def _memory_probe(rank: int, cfg: LoopConfig, name: str, port: int) -> int:
+    """Peak extra host memory of this rank over one loop with ``name``'s checkpoints, in a fresh process."""
+    b = cfg.bench
+    _, sd, tensors = _trainer(rank, b, port)
     baseline = host_memory(include_writer=False)
+    FastPersistSaveStrategy(config=b.write).load_ops()
+    cp = CHECKPOINTERS[name](b)
+    cp.start(sd)
+    root = os.path.join(b.directory, f"train-{name}-memory")
+    _fresh_root(rank, root)
+    run = run_loop(cp, sd, tensors, cfg, root, baseline)
+    dist.barrier()
+    _remove(root)
+    return int(_over_ranks(float(run.extra_bytes)))
+
+
+def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: int) -> tuple[int, dict]:
+    b = cfg.bench
+    shape, sd, tensors = _trainer(rank, b, port)
     FastPersistSaveStrategy(config=b.write).load_ops()  # at start-up, as docs/async.md advises
     checkpointers = {name: CHECKPOINTERS[name](b) for name in contenders}
     runs: dict[str, list[LoopRun]] = {name: [] for name in contenders}
@@ -274,13 +307,12 @@ def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: in
         for name in balanced_order(contenders, rep):
             cp = checkpointers[name]
             root = os.path.join(b.directory, f"train-{name}-{rep}")
-            if rank == 0:
-                shutil.rmtree(root, ignore_errors=True)
-                os.makedirs(root)
             if rep == 0:
                 cp.start(sd)
-            dist.barrier()
-            run = run_loop(cp, sd, tensors, cfg, root, baseline, sample_memory=rep == 0)
+            _fresh_root(rank, root)
+            run = run_loop(cp, sd, tensors, cfg, root)
+            if cp.checkpoints and cfg.save_steps:
+                run.sync_s = timed_sync_save(cp, sd, root)
             dist.barrier()
             _remove(root)
             runs[name].append(_slowest(run))
@@ -291,11 +323,11 @@ def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: in
 
 
 def _slowest(run: LoopRun) -> LoopRun:
-    """The slowest rank's figures (memory: the largest)."""
+    """The slowest rank's figures."""
     return LoopRun(
         loop_s=_over_ranks(run.loop_s), calls_s=[_over_ranks(c) for c in run.calls_s],
         durable_s=[_over_ranks(d) for d in run.durable_s], drain_s=_over_ranks(run.drain_s),
-        sync_s=_over_ranks(run.sync_s), extra_bytes=int(_over_ranks(float(run.extra_bytes))),
+        sync_s=_over_ranks(run.sync_s),
     )
 
 
@@ -309,15 +341,21 @@ def run(cfg: LoopConfig, contenders: tuple[str, ...] = DEFAULT_LOOP_CONTENDERS,
              f"steps, async checkpoint at steps {cfg.save_steps}, {b.reps} reps of {', '.join(contenders)} "
              f"in {b.directory}")
     nbytes, runs = on_ranks(b.ranks, _rank_main, cfg, contenders)[0]
-    return report(cfg, nbytes, runs)
+    memory = {}
+    for name in contenders:
+        if name != "none":
+            progress(f"bench-train: {name}: host memory, one loop in fresh processes")
+            memory[name] = on_ranks(b.ranks, _memory_probe, cfg, name)[0]
+    return report(cfg, nbytes, runs, memory)
 
 
 def _med(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]]) -> dict:
-    """Medians over repetitions of the slowest rank's figures, and the slowdown against the plain loop."""
+def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory: dict[str, int]) -> dict:
+    """Medians over repetitions of the slowest rank's figures, the slowdown against the plain loop, and
+    ``memory``: each contender's peak extra host memory per rank (bytes, largest rank)."""
     reference = _med([r.loop_s for r in runs["none"]]) if "none" in runs else None
     rows = []
     for name, reps in runs.items():
@@ -333,7 +371,7 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]]) -> dict
                 slowdown_pct=100 * (loop / reference - 1), lost_per_save_s=(loop - reference) / max(saves, 1),
                 first_call_s=reps[0].calls_s[0] if reps[0].calls_s else None, call_s=_med(later), sync_s=sync,
                 durable_s=_med([d for r in reps for d in r.durable_s]), drain_s=_med([r.drain_s for r in reps]),
-                extra_gib=reps[0].extra_bytes / GiB,
+                extra_gib=memory[name] / GiB,
             )
             if sync:
                 row["first_call_pct"] = 100 * row["first_call_s"] / sync if row["first_call_s"] else None
