@@ -79,7 +79,7 @@ class _Failed:
     error: str
 
 
-def gather_or_fail(value: Any, group: dist.ProcessGroup, who: str) -> list[Any]:
+def gather_or_abandon(value: Any, group: dist.ProcessGroup, who: str) -> list[Any]:
     """``value`` of every rank of ``group`` (collective); raises on every rank if any rank failed.
 
     A rank that failed calls :func:`fail_together` instead: then every other rank
@@ -96,7 +96,7 @@ def gather_or_fail(value: Any, group: dist.ProcessGroup, who: str) -> list[Any]:
 def fail_together(error: BaseException, group: dist.ProcessGroup, who: str) -> NoReturn:
     """Tell the group this rank's load failed (in place of its next gather), then raise ``error``."""
     try:
-        gather_or_fail(_Failed(f"{type(error).__name__}: {error}"), group, who)
+        gather_or_abandon(_Failed(f"{type(error).__name__}: {error}"), group, who)
     except FastPersistError:
         pass  # the others' errors: this rank reports its own
     raise error
@@ -176,7 +176,7 @@ class ReadExchange:
         decision is taken from the gathered data, so every rank takes the same).
         """
         start = time.perf_counter()
-        everyone = gather_or_fail([need_of(r, block) for r in reads] if share else None, group, who)
+        everyone = gather_or_abandon([need_of(r, block) for r in reads] if share else None, group, who)
         if any(needs is None for needs in everyone):
             return None
         transfers = plan_sharing(everyone, MAX_READ_GAP, ABSORB_MAX_BYTES)
@@ -213,7 +213,7 @@ class ReadExchange:
                 read()
             except Exception as e:
                 fail_together(e, self.group, self.who)
-            gather_or_fail(None, self.group, self.who)
+            gather_or_abandon(None, self.group, self.who)
         except Exception:
             _abandoned.append(self.group)
             raise
