@@ -54,7 +54,7 @@ from fastpersist_dist.format import (
 )
 from fastpersist_dist.index_pages import part_file_name
 from fastpersist_dist.storage.deepspeed_ops import aio_module, ensure_fast_file_writer_usable
-from fastpersist_dist.storage.writer import WriteItem, confirm_on_disk, write_rank_file
+from fastpersist_dist.storage.writer import WriteItem, confirm_on_disk, prepare_direct_writes, write_rank_file
 from fastpersist_dist.verify import verify_checkpoint
 from fastpersist_dist.writer_process import writer_client
 
@@ -665,6 +665,7 @@ def _memlock_limited(rank: int, world: int, root: str) -> list[str]:
     aio_module()
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (8 * MiB, 8 * MiB))  # a desktop's default
     os.setuid(65534)  # nobody: root's CAP_IPC_LOCK would ignore the limit
+    prepare_direct_writes(WriteConfig(direct_io="on"))  # a writer process at load_ops: the write says why
     path = os.path.join(root, data_file_name(rank))
     lengths = [3 * MiB, 7]
     result = write_rank_file(path, _records(lengths, rank), WriteConfig(), rank)

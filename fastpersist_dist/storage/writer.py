@@ -137,8 +137,8 @@ def prepare_direct_writes(cfg: WriteConfig) -> None:
         return
     try:
         aio_resources(cfg.aio)
-    except LockedMemoryError:
-        pass
+    except (RuntimeError, OSError) as e:  # LockedMemoryError too: the write warns and falls back, or raises
+        logger.debug("fastpersist: aio handle and bounce buffer not made ahead (%s); the first write says why", e)
 
 
 def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
