@@ -117,7 +117,8 @@ class SaveEngine:
         self.group = group  # ranks that exchange shard lists and plan together (None: the world)
 
     def load_ops(self) -> None:
-        """Load DeepSpeed's native ops here, start the rank's writer process, wait until it serves with its aio handle and bounce buffer.
+        """Load DeepSpeed's native ops here; start the rank's writer process and wait until it serves with
+        this configuration's aio handle and bounce buffer.
 
         Seconds, once per process; without it the first async save becomes durable that much later.
         """
