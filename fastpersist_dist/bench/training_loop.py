@@ -341,7 +341,7 @@ def run(cfg: LoopConfig, contenders: tuple[str, ...] = DEFAULT_LOOP_CONTENDERS,
              f"steps, async checkpoint at steps {cfg.save_steps}, {b.reps} reps of {', '.join(contenders)} "
              f"in {b.directory}")
     nbytes, runs = on_ranks(b.ranks, _rank_main, cfg, contenders)[0]
-    memory = {}
+    memory: dict[str, int] = {}
     for name in contenders:
         if name != "none":
             progress(f"bench-train: {name}: host memory, one loop in fresh processes")
