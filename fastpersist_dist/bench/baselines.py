@@ -66,6 +66,7 @@ class Contender:
     load: Load
     reshards: bool  # can load into another sharding
     what: str  # one line for the report
+    start: Optional[Callable[[dict, WriteConfig], None]] = None  # what a trainer does once before its first save
 
 
 def _torch_dist_save(sd: dict, ckpt: str, _: WriteConfig) -> None:
@@ -102,6 +103,11 @@ def _unbalanced_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
 def _async_queue() -> AsyncSaveQueue:
     """One queue per process, as in training."""
     return AsyncSaveQueue()
+
+
+def _fastpersist_async_start(sd: dict, config: WriteConfig) -> None:
+    """``load_ops(sd)`` at start-up, as docs/async.md advises: plan, snapshot buffer, writer with its aio handle."""
+    FastPersistSaveStrategy("fastpersist", config=config).load_ops(sd)
 
 
 def _fastpersist_async_save(sd: dict, ckpt: str, config: WriteConfig) -> float:
@@ -200,7 +206,8 @@ CONTENDERS: dict[str, Contender] = {
     "fastpersist": Contender(_fastpersist_save, _fastpersist_load, True,
                              "FastPersistSaveStrategy, native format, synchronous; our loader"),
     "fastpersist_async": Contender(_fastpersist_async_save, _fastpersist_load, True,
-                                   "FastPersistSaveStrategy.async_save + AsyncSaveQueue, until durable"),
+                                   "FastPersistSaveStrategy.async_save + AsyncSaveQueue, until durable",
+                                   start=_fastpersist_async_start),
     "fastpersist_unbalanced": Contender(_unbalanced_save, _fastpersist_load, True,
                                         "FastPersist with balance=False: main replicas write everything"),
     "fastpersist_unshared": Contender(_fastpersist_save, _unshared_load, True,

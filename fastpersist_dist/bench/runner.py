@@ -173,8 +173,9 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int) -> tuple[GptShape, list[R
     resharded = gpt_sharded_state_dict(shape, cfg.tp, rank, cfg.ranks, transpose=True, device=device)
     preload_ops(cfg.write)  # ops and this process's aio handle exist before any timing starts
     aio_resources(cfg.write.aio)
-    if "fastpersist_async" in cfg.contenders:  # and its writer process, as a trainer starts it (load_ops)
-        writer_client().wait_ready(cfg.write)
+    for name in cfg.contenders:  # collective where a contender's start-up is (the same list on every rank)
+        if CONTENDERS[name].start is not None:
+            CONTENDERS[name].start(sd, cfg.write)
     display = progress.ProgressLine(sys.stderr)  # rank 0's bytes (its writer's and its reads)
     if rank == 0:
         progress.install(display)
