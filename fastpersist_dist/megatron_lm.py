@@ -38,6 +38,7 @@ from .strategies.fastpersist_save import FastPersistSaveStrategy
 logger = logging.getLogger(__name__)
 
 TRAINING_MODULE = "megatron.training.checkpointing"
+ASYNC_FLAG = "--async-save"  # Megatron-LM's flag for asynchronous checkpoints
 USAGE = "usage: python -m fastpersist_dist.megatron_lm SCRIPT [ARGS...]  (e.g. pretrain_gpt.py and its arguments)"
 
 _originals: dict[tuple[ModuleType, str], Any] = {}  # (module, name) -> what Megatron-LM had there
@@ -130,7 +131,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(f"fastpersist_dist.megatron_lm: no such script: {script}\n{USAGE}")
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as for `python SCRIPT` (a Megatron-LM checkout's
-    enable()                                                  # pretrain_gpt.py: its megatron.training imports)
+    strategy = enable()                                       # pretrain_gpt.py: its megatron.training imports)
+    if ASYNC_FLAG in argv:
+        # The writer process starts and makes its aio handle and locked buffer while Megatron-LM
+        # builds the model, instead of inside the first async save's write.
+        strategy.load_ops()
     runpy.run_path(script, run_name="__main__")
 
 

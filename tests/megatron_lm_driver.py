@@ -96,6 +96,9 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     expected_path = os.path.join(ckpt_dir, f"expected_rank{rank}.pt")
     result: dict = {"rank": rank, "phase": phase}
+    from fastpersist_dist.writer_process import writer_client
+
+    result["writer_before_first_save"] = writer_client().pid is not None
 
     if phase == "train":
         saved = []

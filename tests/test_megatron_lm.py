@@ -192,6 +192,7 @@ def test_megatron_lm_training_sync_saves_and_resume(megatron_lm_training, tmp_pa
     train = _run("train", ckpt, [], [sys.executable], enable)
     resume = _run("resume", ckpt, [], [sys.executable], enable)
     _check_run(ckpt, train, resume, "FullyParallelSaveStrategyWrapper")
+    assert not any(r["writer_before_first_save"] for r in train + resume)  # no writer process for sync saves
 
 
 def test_megatron_lm_training_async_through_the_runner(megatron_lm_training, tmp_path):
@@ -206,3 +207,5 @@ def test_megatron_lm_training_async_through_the_runner(megatron_lm_training, tmp
     train = _run("train", ckpt, extra, launcher, {})
     resume = _run("resume", ckpt, extra, launcher, {})
     _check_run(ckpt, train, resume, "FastPersistSaveStrategy")
+    # The runner started each rank's writer before Megatron-LM built its model, not in the first save.
+    assert all(r["writer_before_first_save"] for r in train + resume)

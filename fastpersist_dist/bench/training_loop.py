@@ -286,7 +286,6 @@ def _memory_probe(rank: int, cfg: LoopConfig, name: str, port: int) -> int:
     b = cfg.bench
     _, sd, tensors = _trainer(rank, b, port)
     baseline = host_memory(include_writer=False)
-    FastPersistSaveStrategy(config=b.write).load_ops()
     cp = CHECKPOINTERS[name](b)
     cp.start(sd)
     root = os.path.join(b.directory, f"train-{name}-memory")
