@@ -2,8 +2,9 @@
 
 The steps: stage (describe what this rank holds), exchange descriptions and
 agree on a write plan across ranks (one collective, cached across saves),
-invalidate the old checkpoint, take host bytes of this rank's share (a
-snapshot for async saves), frame each record for the checkpoint format and
+invalidate the old checkpoint, take the elements of this rank's share (a
+snapshot of them in host memory for async saves; a synchronous write copies
+what is not host memory as it reaches it), frame each record for the checkpoint format and
 place it in the rank's data file. The result is a :class:`SaveJob`: the
 function that writes the file (in the trainer or in an async writer process)
 and the collective finalize steps that commit it. megatron adapters wrap it
@@ -29,7 +30,7 @@ from .errors import FastPersistError, SaveFailedError
 from .format import ShardRecord
 from .per_process import PerProcess
 from .plan import PlanCache, PlanError, place_in_rank_file
-from .staging import SnapshotPool, StagedShard, assign, stage, to_host_bytes
+from .staging import SnapshotPool, StagedShard, assign, stage, to_elements
 from .storage.writer import WriteItem, preload_ops
 from .timing import Phases
 from .writer_process import WriterJob, describe_items, write_in_writer, writer_client
@@ -221,8 +222,7 @@ class SaveEngine:
             partial(finalize_save, ckpt, self.config.checksum_block_bytes, self.fmt, aux_files, self.group)
         ]
         if not snapshot:
-            to_host_bytes(staged)
-            phases.mark("host bytes")
+            to_elements(staged)
             items = _items(staged, self.fmt, rank)
             phases.mark("frame")
             logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)

@@ -1,12 +1,14 @@
-"""From a megatron sharded state dict to (record, host bytes) pairs ready to write.
+"""From a megatron sharded state dict to (record, elements) pairs ready to write.
 
 Every tensor shard a rank holds is described, main replica or not, so the
 planner can spread replicated bytes over their holders (megatron leaves the
 choice of writer to the strategy); objects only where they are the main
-replica. Once planned, the bytes a rank writes (whole shards or element
-ranges of them) become 1-D uint8 views of contiguous host memory: only a
-view's own bytes, never its base storage. Accelerator tensors are copied to
-the host here, in the training process, so the writer never touches a device.
+replica. Once planned, a rank writes the elements of its records (whole
+shards or element ranges of them): only a view's own bytes, never its base
+storage. An async save copies them into a host snapshot here; a synchronous
+one hands them over as they are, and the write (on the calling thread)
+copies accelerator tensors and strided views to the host as it reaches them
+(storage/writer.py), so the writer process never touches a device.
 ShardedObjects are serialized with ``torch.save`` as the checkpoint format
 says (they are arbitrary Python objects; tensor data never goes this way).
 """
@@ -36,7 +38,7 @@ Sharded = Union[ShardedTensor, ShardedObject]
 
 @dataclass
 class StagedShard:
-    """A record (not yet placed in a file) and the host bytes it will hold."""
+    """A record (not yet placed in a file) and the data it will hold: its source tensor, elements or bytes."""
 
     record: ShardRecord
     data: torch.Tensor
@@ -92,14 +94,6 @@ def _tensor_record(sh: ShardedTensor, rank: int) -> ShardRecord:
     )
 
 
-def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """Host bytes of ``tensor`` for a synchronous write: no copy for contiguous CPU tensors."""
-    host = tensor.detach()
-    if host.device.type != "cpu":
-        host = host.to("cpu")
-    return tensor_bytes(host.contiguous())
-
-
 def stage_object(sh: ShardedObject, rank: int, fmt: CheckpointFormat) -> StagedShard:
     """Serialize a ShardedObject's payload."""
     try:
@@ -128,9 +122,10 @@ def stage(sharded_state_dict: dict, rank: int, fmt: CheckpointFormat) -> list[St
 def assign(staged: list[StagedShard], records: list[ShardRecord], rank: int) -> list[StagedShard]:
     """Pair the records the plan gives ``rank`` with the shards they come from.
 
-    Tensor data stays the source tensor until :func:`to_host_bytes` (synchronous
-    save) or :meth:`SnapshotPool.snapshot` (asynchronous save) turns the record's
-    elements into host bytes.
+    Tensor data stays the source tensor until :func:`to_elements` (synchronous
+    save: the write copies them to the host as it reaches them, see
+    storage/writer.py) or :meth:`SnapshotPool.snapshot` (asynchronous save)
+    turns it into the record's elements.
     """
     sources = {(s.record.kind, s.record.key, s.record.global_offset): s.data for s in staged}
     try:
@@ -148,11 +143,11 @@ def _elements(s: StagedShard) -> torch.Tensor:
     return data.reshape(-1)[start:stop]
 
 
-def to_host_bytes(staged: list[StagedShard]) -> None:
-    """Point every tensor record at host bytes, copying only what is not contiguous host memory."""
+def to_elements(staged: list[StagedShard]) -> None:
+    """Point every tensor record at the elements it stores, wherever they are (no copy)."""
     for s in staged:
         if s.record.kind == KIND_TENSOR:
-            s.data = _host_bytes(_elements(s))
+            s.data = _elements(s)
 
 
 Lease = tuple[tuple, SharedBuffer]

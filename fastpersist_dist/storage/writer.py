@@ -7,6 +7,10 @@ the file size after the final fsync), and some filesystems refuse O_DIRECT (we
 fall back, once warned, to a buffered writer producing identical bytes). The
 checksums are computed on a second thread from the caller's bytes while those
 bytes are copied and written, and the bounce-buffer copies run on one thread.
+Records whose elements are not contiguous host memory (accelerator tensors,
+strided views: a synchronous save passes them as they are) are copied to the
+host as the write reaches them, a bounded number of bytes ahead
+(``HOST_COPY_BYTES``), not all before it starts.
 
 Because a failed aio write can leave a file of the right size with wrong bytes
 (a hole, a stale bounce-buffer half), a few checksum blocks are read back from
@@ -20,10 +24,10 @@ import errno
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 
@@ -46,6 +50,11 @@ logger = logging.getLogger(__name__)
 MODE_DIRECT = "direct"
 MODE_BUFFERED = "buffered"
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+# Host copies (of accelerator tensors, strided views) one write holds at once, made ahead of
+# the write position so that the copy of the next record overlaps the aio writes of this one.
+# A record above it is copied alone. Was: the whole share copied before the first byte went
+# out (a GPU rank's share in pageable host memory at once).
+HOST_COPY_BYTES = 256 * MiB
 _warned: set[object] = set()
 
 
@@ -168,10 +177,13 @@ def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
 
 @dataclass
 class WriteItem:
-    """One placed record and its bytes: a container's framing around 1-D uint8 host data.
+    """One placed record and its bytes: a container's framing around the record's elements.
 
-    ``len(prefix) + data.numel() + len(suffix) == record.length``; the checksums
-    cover all of it (a torch_dist reader parses the framing too).
+    ``data``: 1-D uint8 host bytes, or any tensor (on an accelerator, strided)
+    whose bytes the write copies to the host when it gets there (see
+    :func:`host_bytes`). ``len(prefix) + nbytes(data) + len(suffix) ==
+    record.length``; the checksums cover all of it (a torch_dist reader parses
+    the framing too).
     """
 
     record: ShardRecord
@@ -188,6 +200,67 @@ class WriteResult:
     nbytes: int
     seconds: float
     mode: str
+
+
+def needs_host_copy(data: torch.Tensor) -> bool:
+    """Whether ``data``'s bytes must be copied before a write: not contiguous host memory."""
+    return data.device.type != "cpu" or not data.is_contiguous()
+
+
+def host_bytes(data: torch.Tensor) -> torch.Tensor:
+    """1-D uint8 host bytes of ``data``: a view of contiguous host memory, else a copy."""
+    host = data.detach()
+    if host.device.type != "cpu":
+        host = host.to("cpu")
+    return host.contiguous().reshape(-1).view(torch.uint8)
+
+
+class _HostBytesAhead:
+    """Each item's host bytes, asked for in order, with its checksum started as soon as they exist.
+
+    Copies are made on the calling thread (an accelerator's data on its current
+    stream, as the caller left it), ahead of the item asked for while the copies
+    not yet both written and checksummed stay within ``budget`` bytes; items that
+    need no copy cost nothing, so for host state every checksum starts at once.
+    """
+
+    def __init__(self, items: list[WriteItem], checksum: Callable[[WriteItem, torch.Tensor], Future], budget: int):
+        self._items, self._checksum, self._budget = items, checksum, budget
+        self.digests: list[Future] = []  # one per item made, in order
+        self._hosts: list[Optional[torch.Tensor]] = []
+        self._copies: list[tuple[int, int]] = []  # (item index, bytes) of copies possibly still held
+        self._writing = 0
+
+    def get(self, i: int) -> torch.Tensor:
+        """Host bytes of item ``i`` (items before it are written); the caller's reference is the only one kept."""
+        self._writing = i
+        while len(self.digests) <= i:
+            while not self._room(len(self.digests)):
+                self.digests[self._copies[0][0]].result()  # a written copy still being checksummed
+            self._make()
+        while len(self.digests) < len(self._items) and self._room(len(self.digests)):
+            self._make()
+        host, self._hosts[i] = self._hosts[i], None
+        return host
+
+    def _cost(self, k: int) -> int:
+        data = self._items[k].data
+        return data.numel() * data.element_size() if needs_host_copy(data) else 0
+
+    def _room(self, k: int) -> bool:
+        self._copies = [(j, n) for j, n in self._copies if j >= self._writing or not self.digests[j].done()]
+        cost = self._cost(k)
+        return cost == 0 or not self._copies or sum(n for _, n in self._copies) + cost <= self._budget
+
+    def _make(self) -> None:
+        k = len(self.digests)
+        item = self._items[k]
+        cost = self._cost(k)
+        host = host_bytes(item.data)
+        if cost:
+            self._copies.append((k, cost))
+        self._hosts.append(host)
+        self.digests.append(self._checksum(item, host))
 
 
 def _readback_blocks(records: list[ShardRecord], block: int, stride: int) -> list[tuple[ShardRecord, int]]:
@@ -326,11 +399,12 @@ def _stream(
     where = "writing"
     shown = progress.task("write", sum(item.record.length for item in items))
     with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-checksum") as checksummer, copies_on_this_thread():
-        digests = [checksummer.submit(_checksums, item, block, chunk) for item in items]
+        ahead = _HostBytesAhead(items, lambda item, data: checksummer.submit(_checksums, item, data, block, chunk),
+                                HOST_COPY_BYTES)
         try:
-            for item in items:
+            for i, item in enumerate(items):
                 where = f"writing {item.record.describe()}"
-                for piece in _pieces(item, chunk):
+                for piece in _pieces(item, ahead.get(i), chunk):
                     sink.write(piece)
                 shown.add(item.record.length)
             phases.mark("copy+aio")
@@ -338,7 +412,7 @@ def _stream(
             sink.close()
             phases.mark("flush+fsync")
             where = "checksumming"
-            out = [with_checksums(item.record, d.result()) for item, d in zip(items, digests)]
+            out = [with_checksums(item.record, d.result()) for item, d in zip(items, ahead.digests)]
             phases.mark("checksum wait")
         except Exception as e:
             checksummer.shutdown(cancel_futures=True)
@@ -351,19 +425,19 @@ def _stream(
     return out
 
 
-def _checksums(item: WriteItem, block: int, chunk: int) -> list[str]:
-    """Block checksums of everything ``item`` puts in the file, framing included."""
+def _checksums(item: WriteItem, data: torch.Tensor, block: int, chunk: int) -> list[str]:
+    """Block checksums of everything ``item`` puts in the file (``data``: its host bytes), framing included."""
     hasher = BlockHasher(block)
-    for piece in _pieces(item, chunk):
+    for piece in _pieces(item, data, chunk):
         hasher.update(piece.numpy())
     return hasher.finish()
 
 
-def _pieces(item: WriteItem, chunk: int) -> Iterator[torch.Tensor]:
-    """The item's bytes in order as 1-D uint8 tensors of at most ``chunk`` bytes (framing whole)."""
+def _pieces(item: WriteItem, data: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
+    """The item's bytes in order (``data``: its host bytes) as 1-D uint8 tensors of at most ``chunk`` bytes."""
     if item.prefix:
         yield torch.frombuffer(bytearray(item.prefix), dtype=torch.uint8)
-    for pos in range(0, item.data.numel(), chunk):
-        yield item.data[pos : pos + chunk]
+    for pos in range(0, data.numel(), chunk):
+        yield data[pos : pos + chunk]
     if item.suffix:
         yield torch.frombuffer(bytearray(item.suffix), dtype=torch.uint8)
