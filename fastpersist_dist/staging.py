@@ -69,11 +69,6 @@ def _replica(rid: object) -> Union[int, tuple[int, ...]]:
     return int(rid) if isinstance(rid, int) else tuple(int(r) for r in rid)
 
 
-def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """1-D uint8 view of a contiguous host tensor's own bytes (zero-copy)."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
 def _tensor_record(sh: ShardedTensor, rank: int) -> ShardRecord:
     """Validate a ShardedTensor and describe it (not yet placed in a file)."""
     data = sh.data
