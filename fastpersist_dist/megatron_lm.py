@@ -80,7 +80,11 @@ def enable(checkpoint_format: str = "torch_dist", *, target: Optional[ModuleType
     """Make Megatron-LM's save and load path use FastPersist in this process; returns the save strategy.
 
     Call once per process before ``pretrain()`` (again to change settings).
-    Megatron-LM must run with ``--ckpt-format torch_dist`` (its default).
+    Megatron-LM must run with ``--ckpt-format torch_dist`` (its default). With
+    ``--async-save`` among the process's arguments (``sys.argv``, which
+    ``pretrain()`` parses), the rank's writer process also starts now and makes
+    its aio handle and locked buffer while Megatron-LM builds the model, instead
+    of inside the first checkpoint's write (``load_ops()`` of the strategy).
 
     Args:
         checkpoint_format: ``"torch_dist"`` (default: torch DCP files any
@@ -108,6 +112,8 @@ def enable(checkpoint_format: str = "torch_dist", *, target: Optional[ModuleType
         "and load with FastPersistLoadStrategy (checksums verified) in place of %s",
         module.__name__, checkpoint_format, save_name, load_name,
     )
+    if ASYNC_FLAG in sys.argv:
+        save_strategy.load_ops()
     return save_strategy
 
 
@@ -131,11 +137,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(f"fastpersist_dist.megatron_lm: no such script: {script}\n{USAGE}")
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as for `python SCRIPT` (a Megatron-LM checkout's
-    strategy = enable()                                       # pretrain_gpt.py: its megatron.training imports)
-    if ASYNC_FLAG in argv:
-        # The writer process starts and makes its aio handle and locked buffer while Megatron-LM
-        # builds the model, instead of inside the first async save's write.
-        strategy.load_ops()
+    enable()                                                  # pretrain_gpt.py: its megatron.training imports)
     runpy.run_path(script, run_name="__main__")
 
 

@@ -102,6 +102,23 @@ def test_enable_replaces_megatron_lm_strategy_seams_and_saves_our_format(tmp_pat
     assert report.ok, report.problems
 
 
+def _enable_with_argv(rank: int, world: int) -> list:
+    """Whether this rank's writer process runs after enable(), without and then with --async-save in sys.argv."""
+    from fastpersist_dist.writer_process import writer_client
+
+    running = []
+    for argv in (["pretrain_gpt.py", "--save", "/ckpt"], ["pretrain_gpt.py", "--save", "/ckpt", "--async-save"]):
+        sys.argv = argv
+        megatron_lm.enable(target=_as_megatron_lm_imports_them())
+        megatron_lm.disable()
+        running.append(writer_client().pid is not None)
+    return running
+
+
+def test_enable_starts_the_writer_process_ahead_only_for_async_save():
+    assert run_ranks(1, _enable_with_argv) == [[False, True]]
+
+
 def test_enable_refuses_a_module_without_the_seams():
     with pytest.raises(Exception, match=f"has no {SAVE_SEAM}"):
         megatron_lm.enable(target=types.ModuleType("not_megatron_lm"))
