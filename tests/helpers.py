@@ -114,6 +114,12 @@ def flip_bit(path: str, offset: int, mask: int = 0x01) -> None:
         os.fsync(f.fileno())
 
 
+def proc_status_kib(field: str, pid: Union[int, str] = "self") -> int:
+    """A ``kB`` field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``, ``VmLck``...), in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
 def make_dir(path: str) -> None:
     """megatron's save() needs the directory to exist on every rank."""
     if dist.get_rank() == 0:

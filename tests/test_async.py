@@ -22,7 +22,8 @@ from fastpersist_dist.format import INDEX_FILE
 from fastpersist_dist.roles import WRITER_ENV
 from fastpersist_dist.writer_process import writer_client
 
-from .helpers import (ASYNC_KW, assert_same, global_tensor, load, make_dir, native_strategy, sharded)
+from .helpers import (ASYNC_KW, assert_same, global_tensor, load, make_dir, native_strategy, proc_status_kib,
+                      sharded)
 from .multiproc import run_ranks
 
 
@@ -212,8 +213,7 @@ def test_load_ops_with_the_state_reserves_the_first_save_s_buffer_and_plan(tmp_p
 
 def _locked_in_writer_after_load_ops(rank: int, world: int, buffer_mb: int) -> int:
     native_strategy(io_buffer_mb=buffer_mb).load_ops()  # start-up, before any save
-    with open(f"/proc/{writer_client().pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmLck:"))
+    return proc_status_kib("VmLck", writer_client().pid) * 1024
 
 
 def test_load_ops_readies_the_writer_s_bounce_buffer_of_that_configuration():

@@ -10,7 +10,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from fastpersist_dist.config import MiB, WriteConfig
 from fastpersist_dist.storage.writer import HOST_COPY_BYTES, write_rank_file
 
-from .helpers import load, save
+from .helpers import load, proc_status_kib, save
 from .multiproc import run_ranks
 from .test_faults import _records
 
@@ -40,11 +40,6 @@ def test_same_bytes_with_double_single_and_buffered_sinks(tmp_path):
     run_ranks(1, _same_file_every_way, str(tmp_path))
 
 
-def _memory_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def _save_strided_state(rank: int, world: int, root: str) -> int:
     """Synchronous save of 1 GiB of transposed views (each needs a host copy); the save's peak extra RSS, KiB."""
     side, count = 4096, 16  # 16 x 64 MiB of float32
@@ -54,9 +49,9 @@ def _save_strided_state(rank: int, world: int, root: str) -> int:
     save(warm, os.path.join(root, "warm"))  # ops, aio handle and bounce buffer made: not this save's growth
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak RSS (VmHWM) restarts from the current RSS
-    before = _memory_kib("VmRSS")
+    before = proc_status_kib("VmRSS")
     save(sd, os.path.join(root, "ckpt"))
-    growth = _memory_kib("VmHWM") - before
+    growth = proc_status_kib("VmHWM") - before
     loaded = load({k: ShardedTensor.from_rank_offsets(k, torch.empty(side, side), replica_id=0) for k in sd},
                   os.path.join(root, "ckpt"))
     for k, b in zip(sd, bases):

@@ -229,33 +229,29 @@ class _HostBytesAhead:
         self.digests: list[Future] = []  # one per item made, in order
         self._hosts: list[Optional[torch.Tensor]] = []
         self._copies: list[tuple[int, int]] = []  # (item index, bytes) of copies possibly still held
-        self._writing = 0
 
     def get(self, i: int) -> torch.Tensor:
         """Host bytes of item ``i`` (items before it are written); the caller's reference is the only one kept."""
-        self._writing = i
         while len(self.digests) <= i:
-            while not self._room(len(self.digests)):
+            while (cost := self._room(i)) is None:
                 self.digests[self._copies[0][0]].result()  # a written copy still being checksummed
-            self._make()
-        while len(self.digests) < len(self._items) and self._room(len(self.digests)):
-            self._make()
+            self._make(cost)
+        while len(self.digests) < len(self._items) and (cost := self._room(i)) is not None:
+            self._make(cost)
         host, self._hosts[i] = self._hosts[i], None
         return host
 
-    def _cost(self, k: int) -> int:
-        data = self._items[k].data
-        return data.numel() * data.element_size() if needs_host_copy(data) else 0
+    def _room(self, writing: int) -> Optional[int]:
+        """The next item's copy cost if it fits beside the copies not yet written (item ``writing`` on) or checksummed."""
+        self._copies = [(j, n) for j, n in self._copies if j >= writing or not self.digests[j].done()]
+        data = self._items[len(self.digests)].data
+        cost = data.numel() * data.element_size() if needs_host_copy(data) else 0
+        fits = cost == 0 or not self._copies or sum(n for _, n in self._copies) + cost <= self._budget
+        return cost if fits else None
 
-    def _room(self, k: int) -> bool:
-        self._copies = [(j, n) for j, n in self._copies if j >= self._writing or not self.digests[j].done()]
-        cost = self._cost(k)
-        return cost == 0 or not self._copies or sum(n for _, n in self._copies) + cost <= self._budget
-
-    def _make(self) -> None:
+    def _make(self, cost: int) -> None:
         k = len(self.digests)
         item = self._items[k]
-        cost = self._cost(k)
         host = host_bytes(item.data)
         if cost:
             self._copies.append((k, cost))
