@@ -49,6 +49,7 @@ from .format import (
     STATUS_FILE_RE,
     CheckpointIndex,
     ShardRecord,
+    aux_copy_name,
     is_data_file,
     record_from_json,
     record_to_json,
@@ -433,7 +434,8 @@ def read_index(checkpoint_dir: str, who: str, wants: Optional[dict[str, list[Box
 
 
 def check_markers(checkpoint_dir: str, index: Union[CheckpointIndex, PagedIndex], who: str) -> None:
-    """The index goes with the commit markers beside it: its own ``.metadata``, or none for the native format."""
+    """The index goes with the files committed beside it: its own ``.metadata`` (or none for the native
+    format), then auxiliary files (``common.pt``); a marker from another writer is the first thing to tell."""
     if index.container == CONTAINER_TORCH_SAVE:
         _check_dcp_metadata(checkpoint_dir, index, who)
     elif os.path.lexists(os.path.join(checkpoint_dir, DCP_METADATA_FILE)):
@@ -443,6 +445,7 @@ def check_markers(checkpoint_dir: str, index: Union[CheckpointIndex, PagedIndex]
             "after it by another writer (e.g. megatron's own torch_dist save into the same directory): which "
             f"checkpoint is meant is unknown; remove {INDEX_FILE} to load the torch_dist one"
         )
+    _check_aux_files(checkpoint_dir, index, who)
 
 
 def read_page_bytes(checkpoint_dir: str, top: PagedIndex, pages: list[Page], who: str) -> list[tuple[Page, bytes]]:
@@ -473,19 +476,72 @@ def read_page_bytes(checkpoint_dir: str, top: PagedIndex, pages: list[Page], who
     return read
 
 
+def _file_digest(path: str, who: str) -> Optional[str]:
+    """XXH3 of the file at ``path``, None if there is none."""
+    try:
+        with open(path, "rb") as f:
+            return digest_bytes(f.read())
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise FastPersistError(f"{who}: cannot read {path}: {e}") from e
+
+
+def _check_aux_files(checkpoint_dir: str, index: Union[CheckpointIndex, PagedIndex], who: str) -> None:
+    """Every auxiliary file is the one committed: megatron-core <= 0.18 loads ``common.pt`` before any strategy."""
+    for name, want in sorted(index.aux_files.items()):
+        path = os.path.join(checkpoint_dir, name)
+        found = _file_digest(path, who)
+        if found == want:
+            continue
+        copy = aux_copy_name(name)
+        fix = (f"; its committed copy {copy} is intact: copy it over {name} to load this checkpoint"
+               if index.aux_files.get(copy) == want and _file_digest(os.path.join(checkpoint_dir, copy), who) == want
+               else "")
+        state = "is missing" if found is None else f"(XXH3 {found}) is not the one committed with {INDEX_FILE} (XXH3 {want})"
+        raise CorruptCheckpointError(
+            f"{who}: {path} {state}: it was damaged or rewritten after the commit (megatron-core <= 0.18's "
+            f"save() writes {name} before the sharded strategy runs, so a save into this directory that was "
+            f"killed before that leaves its own {name} behind){fix}"
+        )
+
+
+def keep_committed_aux_files(checkpoint_dir: str, who: str) -> None:
+    """Put back the committed auxiliary files of the checkpoint in ``checkpoint_dir``, from their committed copies.
+
+    megatron-core <= 0.18's ``save()`` rewrites ``common.pt`` before the sharded
+    strategy runs; if the save is then refused (bad input, a queue it cannot
+    serve, a directory still being written), the committed checkpoint there must
+    stay whole. A save that goes on removes that checkpoint's index first and
+    commits its own ``common.pt``. Never raises: a save goes on without it.
+    """
+    try:
+        top = read_top(checkpoint_dir, who)
+        for name, want in sorted(top.aux_files.items()):
+            path, copy = os.path.join(checkpoint_dir, name), os.path.join(checkpoint_dir, aux_copy_name(name))
+            if _file_digest(path, who) == want or top.aux_files.get(aux_copy_name(name)) != want:
+                continue
+            with open(copy, "rb") as f:
+                data = f.read()
+            if digest_bytes(data) == want:
+                _commit_file(checkpoint_dir, name, data)
+                logger.debug("%s: put the committed %s back in %s (megatron's save() had rewritten it)",
+                             who, name, checkpoint_dir)
+    except FastPersistError:
+        return  # no committed checkpoint there (e.g. invalidated by a save still running): nothing to restore
+    except OSError:
+        logger.warning("%s: could not check %s's committed auxiliary files", who, checkpoint_dir, exc_info=True)
+
+
 def _check_dcp_metadata(checkpoint_dir: str, index: Union[CheckpointIndex, PagedIndex], who: str) -> None:
     """The sidecar index holds only if DCP's ``.metadata`` is the one committed with it."""
     path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
-    try:
-        with open(path, "rb") as f:
-            digest = digest_bytes(f.read())
-    except FileNotFoundError:
+    digest = _file_digest(path, who)
+    if digest is None:
         raise IncompleteCheckpointError(
             f"{who}: {checkpoint_dir} has no {DCP_METADATA_FILE}: this torch_dist checkpoint is incomplete "
             "(its save crashed, failed or is still running) and cannot be loaded"
-        ) from None
-    except OSError as e:
-        raise FastPersistError(f"{who}: cannot read {path}: {e}") from e
+        )
     if digest != index.metadata_xxh3_64:
         raise CorruptCheckpointError(
             f"{who}: {path} (XXH3 {digest}) is not the one committed with {INDEX_FILE} "

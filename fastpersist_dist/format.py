@@ -43,6 +43,12 @@ CONTAINER_TORCH_SAVE = "torch_save"
 FORMAT_VERSIONS = {CONTAINER_RAW: 1, CONTAINER_TORCH_SAVE: 2}
 _FILE_RE = {CONTAINER_RAW: DATA_FILE_RE, CONTAINER_TORCH_SAVE: DCP_FILE_RE}
 _AUX_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a name in the checkpoint directory, no path
+COMMON_FILE = "common.pt"  # megatron-core's common state, which every megatron-core up to 0.18 loads from
+
+
+def aux_copy_name(name: str) -> str:
+    """The committed copy of auxiliary file ``name`` that a later save's megatron ``save()`` cannot overwrite."""
+    return f"fastpersist_committed_{name}"
 
 ReplicaId = Union[int, tuple[int, ...]]
 
@@ -147,7 +153,7 @@ class CheckpointIndex:
     records: tuple[ShardRecord, ...]
     container: str = CONTAINER_RAW
     metadata_xxh3_64: Optional[str] = None  # of DCP's .metadata (torch_save container only)
-    aux_files: dict[str, str] = field(default_factory=dict)  # name -> XXH3 of files committed beside (torch_save only)
+    aux_files: dict[str, str] = field(default_factory=dict)  # name -> XXH3 of files committed beside (common.pt)
     checksum_algorithm: str = ALGORITHM
 
     @property

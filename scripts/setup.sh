@@ -2,6 +2,7 @@
 # Set up fastpersist-dist on a fresh Debian machine, for one megatron-core stack:
 #   FASTPERSIST_STACK=mcore-0.16 (default): Python 3.11, megatron-core 0.16.1, venv .venv
 #   FASTPERSIST_STACK=mcore-0.19:           Python 3.12, megatron-core 0.19.2, venv .venv-0.19
+#   FASTPERSIST_STACK=mcore-0.17, mcore-0.18: Python 3.12, megatron-core 0.17.1 / 0.18.2, venv .venv-0.17 / .venv-0.18
 # Installs libaio-dev (apt, only when missing), makes the venv, installs torch==2.13.0 (only when
 # the venv has no torch; never an unpinned torch), the package with its test extras and the
 # stack's megatron-core, and prebuilds the DeepSpeed ops it uses into <venv>/torch_ext, so the
@@ -11,8 +12,10 @@ cd "$(dirname "$0")/.."
 STACK="${FASTPERSIST_STACK:-mcore-0.16}"
 case "$STACK" in
     mcore-0.16) PY_VERSION=3.11; MCORE=0.16.1; DEFAULT_VENV=.venv ;;
+    mcore-0.17) PY_VERSION=3.12; MCORE=0.17.1; DEFAULT_VENV=.venv-0.17 ;;
+    mcore-0.18) PY_VERSION=3.12; MCORE=0.18.2; DEFAULT_VENV=.venv-0.18 ;;
     mcore-0.19) PY_VERSION=3.12; MCORE=0.19.2; DEFAULT_VENV=.venv-0.19 ;;
-    *) echo "setup: FASTPERSIST_STACK must be mcore-0.16 or mcore-0.19, got '$STACK'" >&2; exit 2 ;;
+    *) echo "setup: FASTPERSIST_STACK must be mcore-0.16, mcore-0.17, mcore-0.18 or mcore-0.19, got '$STACK'" >&2; exit 2 ;;
 esac
 VENV="${FASTPERSIST_VENV:-$DEFAULT_VENV}"
 
@@ -51,7 +54,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing fastpersist-dist[test] with megatron-core==$MCORE into $VENV"
 pip_install -e ".[test]" "megatron-core==$MCORE"
-if [ "$STACK" = mcore-0.19 ] && [ ! -d "$VENV/nvrx/nvidia_resiliency_ext" ]; then
+if [ "$STACK" != mcore-0.16 ] && [ ! -d "$VENV/nvrx/nvidia_resiliency_ext" ]; then
     # megatron-core 0.17+'s default async queue ("nvrx") comes from nvidia-resiliency-ext, whose
     # only Python 3.12 wheel is tagged manylinux_2_39 (this Debian has glibc 2.36). Its async
     # checkpoint queue is pure Python; it goes beside the venv, not on its path, so only the test

@@ -11,6 +11,7 @@ import signal
 
 import pytest
 import torch
+import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -20,14 +21,16 @@ from fastpersist_dist import (
     compat,
     FastPersistError,
     FastPersistLoadStrategy,
+    FastPersistSaveStrategy,
     IncompleteCheckpointError,
     SaveFailedError,
 )
 from fastpersist_dist.commit import read_index
-from fastpersist_dist.format import INDEX_FILE, data_file_name
+from fastpersist_dist.format import COMMON_FILE, INDEX_FILE, aux_copy_name, data_file_name
 from fastpersist_dist.index_pages import part_file_name
+from fastpersist_dist.verify import verify_checkpoint
 
-from .helpers import assert_same, flip_bit, global_tensor, load, save, sharded
+from .helpers import COMMON_STATE_OBJECT, assert_same, flip_bit, global_tensor, load, save, sharded
 from .multiproc import run_ranks
 
 
@@ -91,10 +94,12 @@ def _load_whole(rank: int, world: int, path: str, salt: int, shape: tuple[int, i
 
 def test_overwrite_leaves_no_stale_bytes_or_files(tmp_path):
     path = str(tmp_path / "ckpt")
+    # megatron-core <= 0.18 writes common.pt itself: we commit a copy of it beside
+    ours = [INDEX_FILE, part_file_name(0)] + ([] if COMMON_STATE_OBJECT else [aux_copy_name(COMMON_FILE)])
     run_ranks(4, _save_layout, path, 1, 64)
-    assert _files(path) == sorted([INDEX_FILE, part_file_name(0)] + [data_file_name(r) for r in range(4)])
+    assert _files(path) == sorted(ours + [data_file_name(r) for r in range(4)])
     run_ranks(2, _save_layout, path, 2, 8)
-    assert _files(path) == sorted([INDEX_FILE, part_file_name(0)] + [data_file_name(r) for r in range(2)])
+    assert _files(path) == sorted(ours + [data_file_name(r) for r in range(2)])
     index = read_index(path, "test")
     for name, size in index.files.items():
         assert os.path.getsize(os.path.join(path, name)) == size
@@ -196,6 +201,58 @@ def test_truncated_and_missing_files_and_index(tmp_path):
     run_ranks(1, _load_expect, path, CorruptCheckpointError, f"data file {data} listed in the index is missing")
     os.unlink(os.path.join(path, INDEX_FILE))
     run_ranks(1, _load_expect, path, IncompleteCheckpointError, "this checkpoint is incomplete")
+
+
+def _committed_state(rank: int, world: int, salt: int) -> dict:
+    return {"w": sharded("w", global_tensor("w", (4, 4), salt=salt), rank, world, 0), "common": {"step": salt}}
+
+
+def _loaded_both_ways(rank: int, path: str, fmt: str) -> list[dict]:
+    """The checkpoint through our loader and, where megatron picks one by itself, a plain load."""
+    def request() -> dict:
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4), replica_id=rank)}
+    loaded = [dist_checkpointing.load(request(), path, sharded_strategy=FastPersistLoadStrategy())]
+    if fmt == "torch_dist" or compat.REGISTRY:  # 0.17+ loads the native format only through ours
+        loaded.append(dist_checkpointing.load(request(), path))
+    return loaded
+
+
+def _refused_over_committed(rank: int, world: int, path: str, fmt: str) -> None:
+    save(_committed_state(rank, world, 1), path, FastPersistSaveStrategy(fmt))
+    bad = _committed_state(rank, world, 2)
+    bad["bad"] = ShardedTensor.from_rank_offsets("cplx", torch.zeros(2, dtype=torch.complex32), replica_id=rank)
+    with pytest.raises(CheckpointingException, match="complex32 is not supported"):
+        save(bad, path, FastPersistSaveStrategy(fmt), validate=False)  # megatron <= 0.18 wrote common.pt first
+    for loaded in _loaded_both_ways(rank, path, fmt):
+        assert loaded["common"] == {"step": 1}, loaded["common"]
+        assert_same(loaded["w"], global_tensor("w", (4, 4), salt=1), "w")
+
+
+@pytest.mark.parametrize("fmt", ["fastpersist", "torch_dist"])
+def test_a_refused_save_leaves_the_committed_checkpoint_whole_common_state_included(tmp_path, fmt):
+    run_ranks(2, _refused_over_committed, str(tmp_path / "ckpt"), fmt)
+
+
+def _common_pt_rewritten(rank: int, world: int, path: str) -> str:
+    save(_committed_state(rank, world, 1), path, write_common_pt=True)
+    dist.barrier()
+    if rank == 0:  # what a save killed right after megatron's own common.pt write leaves
+        torch.save({"common": {"step": 2}}, os.path.join(path, COMMON_FILE))
+    dist.barrier()
+    with pytest.raises(CorruptCheckpointError) as info:
+        load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4), replica_id=rank)}, path)
+    return str(info.value)
+
+
+def test_a_common_pt_that_is_not_the_committed_one_is_refused(tmp_path):
+    path = str(tmp_path / "ckpt")
+    copy = aux_copy_name(COMMON_FILE)
+    for rank, m in enumerate(run_ranks(2, _common_pt_rewritten, path)):
+        assert f"rank {rank}: {os.path.join(path, COMMON_FILE)} (XXH3 " in m and "rewritten after the commit" in m, m
+        # megatron-core <= 0.18 writes common.pt itself, so we commit a copy too; 0.19 has the state in the files.
+        assert (f"its committed copy {copy} is intact" in m) != COMMON_STATE_OBJECT, m
+    report = verify_checkpoint(path)
+    assert not report.ok and any(COMMON_FILE in p and "rewritten after the commit" in p for p in report.problems)
 
 
 def test_damaged_index_is_refused(tmp_path):

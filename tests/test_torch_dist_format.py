@@ -16,6 +16,7 @@ import signal
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
@@ -26,7 +27,7 @@ from fastpersist_dist.bench.baselines import torch_dist_cpu_shims
 from fastpersist_dist.checkpoint_formats import DCP_METADATA_FILE, TORCH_DIST
 from fastpersist_dist.errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError
 from fastpersist_dist.commit import read_index
-from fastpersist_dist.format import INDEX_FILE
+from fastpersist_dist.format import COMMON_FILE, INDEX_FILE, aux_copy_name
 from fastpersist_dist.index_pages import part_file_name
 from fastpersist_dist.verify import verify_checkpoint
 
@@ -109,7 +110,8 @@ def saved(tmp_path_factory) -> str:
 
 def test_files_are_torch_dcp_with_our_sidecar(saved):
     names = sorted(os.listdir(saved))
-    common = [] if COMMON_STATE_OBJECT else ["common.pt"]  # megatron <= 0.18's save() writes it; 0.19 keeps it in DCP
+    # megatron <= 0.18's save() writes common.pt (we commit it and a copy); 0.19 keeps the common state in DCP
+    common = [] if COMMON_STATE_OBJECT else [COMMON_FILE, aux_copy_name(COMMON_FILE)]
     assert names == sorted([DCP_METADATA_FILE, "__0_0.distcp", "__1_0.distcp", INDEX_FILE, part_file_name(0),
                             "metadata.json", *common])
     with open(os.path.join(saved, "metadata.json")) as f:
@@ -276,6 +278,9 @@ def _nvrx_without_package(rank: int, world: int, path: str) -> str:
     with pytest.raises(ModuleNotFoundError) as info:
         dist_checkpointing.save(state(rank, world), path, sharded_strategy=strategy(), async_sharded_save=True,
                                 async_strategy="nvrx")
+    # megatron <= 0.18 rewrote common.pt first; rank 0 put the committed one back before its refusal, which
+    # (raised by megatron on each rank, no collective) the other rank's does not wait for.
+    dist.barrier()
     _load_ours(rank, world, path, 4)  # refused before anything was touched
     return str(info.value)
 

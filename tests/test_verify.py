@@ -30,7 +30,7 @@ def test_verify_good_and_damaged(tmp_path):
     report = verify_checkpoint(path)
     assert report.ok and report.tensors == 2 and report.records == 4 + len(ADDED_OBJECTS)
     index = read_index(path, "test")
-    assert report.bytes_checked == sum(index.files.values())  # every byte listed (+ 0.17+'s common_state) ...
+    assert report.bytes_checked == sum(index.files.values())  # every byte listed (+ 0.19's common_state) ...
     assert sum(r.length for r in index.records if r.kind == "tensor") == (64 * 256 + 64) * 4  # ... all tensors
     proc = _cli(path)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr

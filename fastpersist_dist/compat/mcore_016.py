@@ -41,16 +41,6 @@ def megatron_async_queue() -> AsyncCallsQueue:
     return AsyncCallsQueue()
 
 
-def common_files(sharded_state_dict: dict, rank: int, write_common_pt: bool) -> dict[str, bytes]:
-    """Nothing: megatron-core 0.16's ``save()`` wrote ``common.pt`` before the strategy ran."""
-    return {}
-
-
-def strategy_input(sharded: dict, common: dict, rank: int) -> dict:
-    """What ``save()`` hands the save strategy: the sharded part (the common state goes to common.pt)."""
-    return sharded
-
-
 def stock_load(sharded_state_dict: Any, checkpoint_dir: str, async_strategy: Optional[str]) -> Any:
     """megatron's own loader, for torch_dist checkpoints that have no FastPersist sidecar."""
     return TorchDistLoadShardedStrategy().load(sharded_state_dict, checkpoint_dir)

@@ -1,4 +1,4 @@
-"""Adapter for megatron-core >= 0.17 (tested on 0.19.2): no registry, torch_dist-only ``save()``.
+"""Adapter for megatron-core >= 0.17 (tested on 0.17.1, 0.18.2, 0.19.2): no registry, torch_dist-only ``save()``.
 
 ``save()`` silently replaces every strategy that is not a
 ``TorchDistSaveShardedStrategy`` (or the fully-parallel wrapper), so ours
@@ -6,21 +6,14 @@ subclasses it, overriding ``save``/``async_save`` entirely. ``load()`` defaults
 to ``TorchDistLoadShardedStrategy``: the ``torch_dist`` format (DCP files) is
 therefore the default here, so a plain ``load(sd, dir)`` reads our checkpoints.
 Async requests are built by the class ``get_async_strategy`` names for the
-caller's ``async_strategy`` ("mcore" or "nvrx"). The common state: 0.17 and
-0.18 write ``common.pt`` themselves (and load needs it); 0.19 passes it as a
-``common_state`` ShardedObject, stored like any object, and on request also
-committed as ``common.pt``, which megatron-core <= 0.18 needs to load it.
-(0.17.1 and 0.18.2 were read, not run: their save/load/async entry points are
-the ones used here.)
+caller's ``async_strategy`` ("mcore" or "nvrx"). Who writes the common state
+is a separate question (``common_pt_by_megatron``, ``common_state_object``).
 """
 
 from __future__ import annotations
 
-import io
 from typing import Any, Callable, Optional
 
-import torch
-from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
@@ -40,8 +33,6 @@ LoadStrategyBase = TorchDistLoadShardedStrategy
 # options (core_v0.17.1, core_v0.18.2, core_r0.19.0). fastpersist_dist.megatron_lm replaces these two
 # names there.
 TRAINING_STRATEGY_SEAMS = ("TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy")
-COMMON_STATE_KEY = "common_state"  # the ShardedObject megatron's save() adds
-COMMON_FILE = "common.pt"  # where megatron-core <= 0.16 looks for it
 
 
 def request_type(async_strategy: Optional[str]) -> Callable[[Callable[..., None], tuple, list], Any]:
@@ -55,21 +46,6 @@ def request_type(async_strategy: Optional[str]) -> Callable[[Callable[..., None]
 def megatron_async_queue() -> Any:
     """megatron's own queue for ``async_strategy="mcore"`` (``AsyncCallsQueue``)."""
     return get_async_strategy("mcore", "AsyncCallsQueue")[1]()
-
-
-def common_files(sharded_state_dict: dict, rank: int, write_common_pt: bool) -> dict[str, bytes]:
-    """``common.pt`` (rank 0, when asked) holding the common state, as megatron-core <= 0.16 wrote it."""
-    common = sharded_state_dict.get(COMMON_STATE_KEY)
-    if not write_common_pt or rank != 0 or not isinstance(common, ShardedObject):
-        return {}
-    buf = io.BytesIO()
-    torch.save(common.data, buf)
-    return {COMMON_FILE: buf.getvalue()}
-
-
-def strategy_input(sharded: dict, common: dict, rank: int) -> dict:
-    """What ``save()`` hands the save strategy: the sharded part plus the common state as a ShardedObject."""
-    return {**sharded, COMMON_STATE_KEY: ShardedObject(COMMON_STATE_KEY, common, (1,), (0,), replica_id=rank)}
 
 
 def stock_load(sharded_state_dict: Any, checkpoint_dir: str, async_strategy: Optional[str]) -> Any:

@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from .. import compat
 from ..checkpoint_formats import checkpoint_format as checkpoint_format_named
+from ..commit import keep_committed_aux_files
 from ..config import WriteConfig
-from ..save_engine import SaveEngine, SaveJob
+from ..save_engine import SaveEngine
 from ..staging import preprocessed
 
 
@@ -29,10 +30,12 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
             checksum sidecar) or ``"fastpersist"`` (our native format, read by
             :class:`FastPersistLoadStrategy`). Default: ``"torch_dist"`` on
             megatron-core 0.17+, ``"fastpersist"`` on 0.16 (registered there).
-        write_common_pt: on megatron-core 0.17+, also commit the common state as
-            ``common.pt``, so megatron-core 0.16 can load a torch_dist checkpoint
-            too (the native format always has one: megatron's load() reads the
-            common state before any strategy, from ``common.pt`` or through DCP).
+        write_common_pt: on megatron-core 0.19+ (whose ``save()`` hands the
+            common state to the strategy), also commit it as ``common.pt``, so
+            megatron-core 0.16 to 0.18 can load a torch_dist checkpoint too (the
+            native format always has one: megatron's load() reads the common
+            state before any strategy, from ``common.pt`` or through DCP). Older
+            megatron-core's ``save()`` writes ``common.pt`` itself.
         config: a :class:`fastpersist_dist.config.WriteConfig`, or its knobs as
             keyword arguments.
         parallel_group: the ranks that can hold replicas of this rank's shards,
@@ -88,7 +91,8 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> None:
         """Synchronous save: tensors are written from where they are, without a snapshot copy."""
-        self._job(sharded_state_dict, checkpoint_dir, snapshot=False).run()
+        aux = self._aux_files(sharded_state_dict, checkpoint_dir)
+        self._engine.prepare(sharded_state_dict, str(checkpoint_dir), False, aux).run()
 
     def async_save(
         self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path], async_strategy: Optional[str] = None,
@@ -98,10 +102,23 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         ``async_strategy`` ("mcore" or "nvrx", megatron-core 0.17+) picks the
         request type of the queue that will run it.
         """
-        request = compat.request_type(async_strategy)  # first: an unknown queue must not cost the old checkpoint
-        job = self._job(sharded_state_dict, checkpoint_dir, snapshot=True)
+        aux = self._aux_files(sharded_state_dict, checkpoint_dir)
+        request = compat.request_type(async_strategy)  # before prepare: an unknown queue must not cost the old checkpoint
+        job = self._engine.prepare(sharded_state_dict, str(checkpoint_dir), True, aux)
         return request(job.write, job.args, job.finalize)
 
-    def _job(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path], snapshot: bool) -> SaveJob:
-        aux = compat.common_files(sharded_state_dict, dist.get_rank(), self.write_common_pt)
-        return self._engine.prepare(sharded_state_dict, str(checkpoint_dir), snapshot, aux)
+    def _aux_files(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> dict[str, bytes]:
+        """The files rank 0 commits beside the checkpoint (``common.pt``); a committed one there stays until then.
+
+        First thing, before any collective: megatron-core <= 0.18's ``save()``
+        has just rewritten ``common.pt`` of whatever checkpoint is committed in
+        ``checkpoint_dir``; its bytes are taken for this save's commit and the
+        committed file is put back, so a save refused from here on (its
+        agreement needs rank 0) leaves that checkpoint whole.
+        """
+        rank = dist.get_rank()
+        aux = compat.common_files(sharded_state_dict, str(checkpoint_dir), rank, self.write_common_pt)
+        if rank == 0:
+            keep_committed_aux_files(str(checkpoint_dir), "rank 0")
+        return aux
+
