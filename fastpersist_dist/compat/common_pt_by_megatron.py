@@ -6,7 +6,7 @@ save then refused, the old checkpoint would load the new common state with
 its old tensors. Rank 0 therefore takes the bytes megatron just wrote and
 commits them with the checkpoint, ``common.pt`` and a copy, both in the index:
 a loader refuses a ``common.pt`` that is not the committed one, and a refused
-save puts the committed one back (``commit.restore_aux_files``).
+save puts the committed one back (``commit.keep_committed_aux_files``).
 """
 
 from __future__ import annotations
