@@ -10,7 +10,8 @@ Two levels:
 * ``test_megatron_lm_training_*``: Megatron-LM's training code itself (tests/megatron_lm_driver.py:
   its parser, ``setup_model_and_optimizer`` with ``load_checkpoint``, ``save_checkpoint`` every
   2 steps, ``--async-save`` through its persistent ``AsyncCallsQueue`` worker, a resume), 2 ranks
-  on gloo (TP=1 x DP=2). megatron-core 0.19.2's wheel ships ``megatron.training``; for 0.16.1 set
+  on gloo (TP=1 x DP=2). megatron-core 0.17.1, 0.18.2 and 0.19.2's wheels ship ``megatron.training``
+  (0.17/0.18's needs pyyaml, in the test extras); for 0.16.1 set
   ``FASTPERSIST_MEGATRON_LM`` to a Megatron-LM checkout at ``core_v0.16.1`` (its training code
   also needs six, regex, pyyaml and triton importable). Skipped, saying so, where neither is there.
 """
