@@ -103,9 +103,13 @@ def _examine(command: str, examine: Callable[[str], Any], directory: str) -> Any
     try:
         return examine(directory)
     except FastPersistError as e:
-        message = str(e)  # the engine's messages may already start with the command's name
-        print(message if message.startswith(f"{command}: ") else f"{command}: {message}", file=sys.stderr)
+        print(_prefixed(command, str(e)), file=sys.stderr)
         return None
+
+
+def _prefixed(command: str, message: str) -> str:
+    """``message`` for stderr, started with the command's name (the engine's messages may already be)."""
+    return message if message.startswith(f"{command}: ") else f"{command}: {message}"
 
 
 def verify(args: argparse.Namespace) -> int:
@@ -138,7 +142,7 @@ def inspect(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(report.to_json(), indent=1) if args.json else format_report(report))
     for problem in report.problems:
-        print(f"inspect: {problem}", file=sys.stderr)
+        print(_prefixed("inspect", problem), file=sys.stderr)
     return 0 if report.ok else 1
 
 

@@ -425,11 +425,18 @@ def read_index(checkpoint_dir: str, who: str, wants: Optional[dict[str, list[Box
     the pages meeting them; None reads every page. Versions 1 and 2 are one
     file, always read whole.
     """
+    index = read_unchecked_index(checkpoint_dir, who, wants)
+    check_markers(str(checkpoint_dir), index, who)
+    return index
+
+
+def read_unchecked_index(checkpoint_dir: str, who: str,
+                         wants: Optional[dict[str, list[Box]]] = None) -> CheckpointIndex:
+    """``read_index`` without checking the files committed beside it: for reports that list those too."""
     top = read_top(checkpoint_dir, who)
     if isinstance(top, PagedIndex):
         pages = top.pages if wants is None else select_pages(top, wants)
         top = top.whole(read_page_bytes(str(checkpoint_dir), top, pages, who), f"{who}: {checkpoint_dir}")
-    check_markers(str(checkpoint_dir), top, who)
     return top
 
 
@@ -476,7 +483,7 @@ def read_page_bytes(checkpoint_dir: str, top: PagedIndex, pages: list[Page], who
     return read
 
 
-def _file_digest(path: str, who: str) -> Optional[str]:
+def file_digest(path: str, who: str) -> Optional[str]:
     """XXH3 of the file at ``path``, None if there is none."""
     try:
         with open(path, "rb") as f:
@@ -491,12 +498,12 @@ def _check_aux_files(checkpoint_dir: str, index: Union[CheckpointIndex, PagedInd
     """Every auxiliary file is the one committed: megatron-core <= 0.18 loads ``common.pt`` before any strategy."""
     for name, want in sorted(index.aux_files.items()):
         path = os.path.join(checkpoint_dir, name)
-        found = _file_digest(path, who)
+        found = file_digest(path, who)
         if found == want:
             continue
         copy = aux_copy_name(name)
         fix = (f"; its committed copy {copy} is intact: copy it over {name} to load this checkpoint"
-               if index.aux_files.get(copy) == want and _file_digest(os.path.join(checkpoint_dir, copy), who) == want
+               if index.aux_files.get(copy) == want and file_digest(os.path.join(checkpoint_dir, copy), who) == want
                else "")
         state = "is missing" if found is None else f"(XXH3 {found}) is not the one committed with {INDEX_FILE} (XXH3 {want})"
         raise CorruptCheckpointError(
@@ -519,7 +526,7 @@ def keep_committed_aux_files(checkpoint_dir: str, who: str) -> None:
         top = read_top(checkpoint_dir, who)
         for name, want in sorted(top.aux_files.items()):
             path, copy = os.path.join(checkpoint_dir, name), os.path.join(checkpoint_dir, aux_copy_name(name))
-            if _file_digest(path, who) == want or top.aux_files.get(aux_copy_name(name)) != want:
+            if file_digest(path, who) == want or top.aux_files.get(aux_copy_name(name)) != want:
                 continue
             with open(copy, "rb") as f:
                 data = f.read()
@@ -536,7 +543,7 @@ def keep_committed_aux_files(checkpoint_dir: str, who: str) -> None:
 def _check_dcp_metadata(checkpoint_dir: str, index: Union[CheckpointIndex, PagedIndex], who: str) -> None:
     """The sidecar index holds only if DCP's ``.metadata`` is the one committed with it."""
     path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
-    digest = _file_digest(path, who)
+    digest = file_digest(path, who)
     if digest is None:
         raise IncompleteCheckpointError(
             f"{who}: {checkpoint_dir} has no {DCP_METADATA_FILE}: this torch_dist checkpoint is incomplete "

@@ -2,8 +2,9 @@
 
 Unlike ``verify`` this reads no tensor bytes, so it answers at once even for a
 huge checkpoint: which backend wrote it, whether it was committed, every tensor
-(dtype, global shape, shards, records, bytes) and the bytes of each rank's data
-file. No ``torch.distributed`` is needed.
+(dtype, global shape, shards, records, bytes), the bytes of each rank's data
+file and whether the small files committed beside the index (``common.pt``) are
+still the committed ones. No ``torch.distributed`` is needed.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from typing import Any, Optional
 
 from megatron.core.dist_checkpointing.core import maybe_load_config
 
-from .commit import read_index
+from .commit import check_markers, file_digest, read_unchecked_index
 from .errors import FastPersistError, IncompleteCheckpointError
 from .checkpoint_formats import BACKENDS, BY_CONTAINER, DCP_METADATA_FILE
 from .format import (
+    COMMON_FILE,
     INDEX_FILE,
     STATUS_FILE_RE,
     CheckpointIndex,
     ShardRecord,
+    aux_copy_name,
     is_data_file,
 )
 from .index_pages import PART_FILE_RE
@@ -46,6 +49,16 @@ class EntrySummary:
     bytes: int
 
 
+@dataclass(frozen=True)
+class AuxFileSummary:
+    """A file committed beside the index (``common.pt``, its copy): what the index says and what is there."""
+
+    name: str
+    xxh3: str  # committed
+    bytes: Optional[int]  # present now; None if missing
+    intact: bool  # present with the committed XXH3
+
+
 @dataclass
 class InspectReport:
     """Everything ``inspect`` shows; ``problems`` is empty for a committed, loadable checkpoint."""
@@ -59,6 +72,7 @@ class InspectReport:
     checksum_block_bytes: Optional[int] = None
     entries: list[EntrySummary] = field(default_factory=list)
     files: dict[str, int] = field(default_factory=dict)
+    aux_files: list[AuxFileSummary] = field(default_factory=list)
     present_files: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -88,7 +102,7 @@ def inspect_checkpoint(checkpoint_dir: str) -> InspectReport:
     report = InspectReport(checkpoint_dir, present_files=_our_files(checkpoint_dir, names))
     _read_metadata(report)
     try:
-        index = read_index(checkpoint_dir, WHO)
+        index = read_unchecked_index(checkpoint_dir, WHO)
     except IncompleteCheckpointError:
         report.problems.append(f"{checkpoint_dir}: {NOT_COMMITTED}: it has no {INDEX_FILE}")
         return report
@@ -103,15 +117,30 @@ def inspect_checkpoint(checkpoint_dir: str) -> InspectReport:
     report.checksum_block_bytes = index.checksum_block_bytes
     report.files = dict(sorted(index.files.items()))
     report.entries = _entries(index, report.problems)
+    report.aux_files = [_aux_summary(checkpoint_dir, name, want) for name, want in sorted(index.aux_files.items())]
+    try:
+        check_markers(checkpoint_dir, index, WHO)
+    except FastPersistError as e:  # the index is committed, but a file beside it is not the committed one
+        report.problems.append(str(e))
     return report
 
 
+def _aux_summary(checkpoint_dir: str, name: str, want: str) -> AuxFileSummary:
+    path = os.path.join(checkpoint_dir, name)
+    try:
+        found = file_digest(path, WHO)
+    except FastPersistError:
+        found = None  # unreadable: check_markers reports it
+    size = os.path.getsize(path) if found is not None else None
+    return AuxFileSummary(name=name, xxh3=want, bytes=size, intact=found == want)
+
+
 def _our_files(checkpoint_dir: str, names: list[str]) -> dict[str, int]:
-    """Sizes of the data, status and index files present, whatever the index says (it may be missing)."""
+    """Sizes of the data, status, index and common-state files present, whatever the index says (it may be missing)."""
     ours = {}
     for name in sorted(names):
         if (is_data_file(name) or STATUS_FILE_RE.match(name) or name.startswith(INDEX_FILE) or PART_FILE_RE.match(name)
-                or name == DCP_METADATA_FILE):
+                or name in (DCP_METADATA_FILE, COMMON_FILE, aux_copy_name(COMMON_FILE))):
             try:
                 ours[name] = os.path.getsize(os.path.join(checkpoint_dir, name))
             except OSError:
@@ -178,6 +207,14 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
+def _aux_state(aux: AuxFileSummary) -> str:
+    if aux.intact:
+        return f"{_size(aux.bytes or 0)}, XXH3 {aux.xxh3}: intact"
+    if aux.bytes is None:
+        return f"MISSING (committed with XXH3 {aux.xxh3})"
+    return f"{_size(aux.bytes)}: NOT the committed file (XXH3 {aux.xxh3})"
+
+
 def format_report(report: InspectReport) -> str:
     """The report as text for a terminal."""
     backend = "unknown" if report.backend is None else f"{report.backend} version {report.backend_version}"
@@ -210,5 +247,9 @@ def format_report(report: InspectReport) -> str:
         lines.append(f"data files ({len(report.files)}, {_size(sum(report.files.values()))}):")
         width = max(map(len, report.files), default=0)
         lines.extend(f"  {name.ljust(width)}  {_size(size)}" for name, size in report.files.items())
+        if report.aux_files:
+            lines.append(f"committed beside the index ({len(report.aux_files)}):")
+            width = max(len(a.name) for a in report.aux_files)
+            lines.extend(f"  {a.name.ljust(width)}  {_aux_state(a)}" for a in report.aux_files)
     lines.extend(f"PROBLEM: {p}" for p in report.problems)
     return "\n".join(lines)

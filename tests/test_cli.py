@@ -15,19 +15,25 @@ from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_conf
 
 from fastpersist_dist.bench.plot import plot_report
 from fastpersist_dist.cli import main
+from fastpersist_dist.checksum import digest_bytes
 from fastpersist_dist.format import (
+    COMMON_FILE,
     INDEX_FILE,
+    aux_copy_name,
     data_file_name,
     dtype_name,
     status_file_name,
 )
 from fastpersist_dist.inspect_ckpt import inspect_checkpoint
 
-from .helpers import ADDED_OBJECTS, global_tensor, save, sharded
+from .helpers import ADDED_OBJECTS, COMMON_STATE_OBJECT, global_tensor, save, sharded
 from .multiproc import run_ranks
 from .test_flat_records import write_flat_checkpoint
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Committed beside a native checkpoint's index: common.pt (megatron-core 0.19 loads the common state from it
+# before asking a strategy) and, where megatron-core <= 0.18 writes it itself, a copy its next save cannot touch.
+COMMON_FILES = (COMMON_FILE,) + (() if COMMON_STATE_OBJECT else (aux_copy_name(COMMON_FILE),))
 # key -> (global shape, dtype, split, shards saved by 2 ranks)
 TENSORS = {
     "w": ((64, 256), torch.float32, 0, 2),
@@ -76,6 +82,12 @@ def test_inspect_json_matches_what_was_saved(good_ckpt, capsys):
     for name, size in doc["files"].items():
         assert size == os.path.getsize(os.path.join(good_ckpt, name))
     assert sum(doc["files"].values()) == sum(e["bytes"] for e in entries.values())
+    aux = {a["name"]: a for a in doc["aux_files"]}
+    assert set(aux) == set(COMMON_FILES)
+    for name, a in aux.items():
+        with open(os.path.join(good_ckpt, name), "rb") as f:
+            data = f.read()
+        assert (a["bytes"], a["xxh3"], a["intact"]) == (len(data), digest_bytes(data), True)
 
 
 def test_inspect_text(good_ckpt, capsys):
@@ -113,7 +125,7 @@ def test_inspect_uncommitted_and_damaged(good_ckpt, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "index: NOT committed (incomplete checkpoint)" in proc.stdout
-    for name in (data_file_name(0), data_file_name(1), status_file_name(1)):
+    for name in (data_file_name(0), data_file_name(1), status_file_name(1), *COMMON_FILES):
         assert f"  {name}  " in proc.stdout
     assert f"inspect: {path}: NOT committed (incomplete checkpoint)" in proc.stderr
 

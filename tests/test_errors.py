@@ -28,6 +28,7 @@ from fastpersist_dist import (
 from fastpersist_dist.commit import read_index
 from fastpersist_dist.format import COMMON_FILE, INDEX_FILE, aux_copy_name, data_file_name
 from fastpersist_dist.index_pages import part_file_name
+from fastpersist_dist.inspect_ckpt import format_report, inspect_checkpoint
 from fastpersist_dist.verify import verify_checkpoint
 
 from .helpers import COMMON_STATE_OBJECT, assert_same, flip_bit, global_tensor, load, save, sharded
@@ -253,6 +254,13 @@ def test_a_common_pt_that_is_not_the_committed_one_is_refused(tmp_path):
         assert (f"its committed copy {copy} is intact" in m) != COMMON_STATE_OBJECT, m
     report = verify_checkpoint(path)
     assert not report.ok and any(COMMON_FILE in p and "rewritten after the commit" in p for p in report.problems)
+    # inspect still shows the committed checkpoint, and which file beside the index is not the committed one
+    shown = inspect_checkpoint(path)
+    assert (shown.committed, shown.ok) == (True, False) and "w" in {e.key for e in shown.entries}
+    assert any(COMMON_FILE in p and "rewritten after the commit" in p for p in shown.problems), shown.problems
+    intact = {a.name: a.intact for a in shown.aux_files}
+    assert intact == ({COMMON_FILE: False} if COMMON_STATE_OBJECT else {COMMON_FILE: False, copy: True}), intact
+    assert f"  {COMMON_FILE}  " in format_report(shown) and "NOT the committed file" in format_report(shown)
 
 
 def test_damaged_index_is_refused(tmp_path):
