@@ -182,17 +182,21 @@ class SaveEngine:
             _process_wide().pool.reserve(staged)
 
     def prepare(self, sharded_state_dict: dict, checkpoint_dir: str, snapshot: bool,
-                aux_files: Optional[dict[str, bytes]] = None) -> SaveJob:
+                aux_files: Optional[dict[str, bytes]] = None, refusal: Optional[str] = None) -> SaveJob:
         """Collective: everything up to the write. ``snapshot``: copy the data (async), else write from it.
 
         ``aux_files`` (name -> bytes) are committed by rank 0 with the checkpoint.
+        ``refusal``: the caller's reason why this rank cannot go on; like a bad
+        input, every rank then raises it after the plan exchange, before anything
+        is touched.
         """
         # A full garbage collection over a trainer's heap, triggered by the many small
         # objects of the metadata exchange, cost 0.36 s of a 0.7 s blocking save here.
         with _gc_paused():
-            return self._prepare(sharded_state_dict, str(checkpoint_dir), snapshot, aux_files or {})
+            return self._prepare(sharded_state_dict, str(checkpoint_dir), snapshot, aux_files or {}, refusal)
 
-    def _prepare(self, sharded_state_dict: dict, ckpt: str, snapshot: bool, aux_files: dict[str, bytes]) -> SaveJob:
+    def _prepare(self, sharded_state_dict: dict, ckpt: str, snapshot: bool, aux_files: dict[str, bytes],
+                 refusal: Optional[str]) -> SaveJob:
         rank = dist.get_rank()
         shared = _process_wide()
         target = os.path.realpath(ckpt)
@@ -204,6 +208,7 @@ class SaveEngine:
             )
         phases = Phases()
         staged, error = self._stage(sharded_state_dict, rank)
+        error = refusal or error
         if error is None:  # every rank: a node-local directory may be missing or read-only on one node only
             error = check_target_directory(ckpt)
         what = f"cannot save checkpoint {ckpt}"

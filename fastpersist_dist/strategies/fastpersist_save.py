@@ -103,8 +103,9 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         request type of the queue that will run it.
         """
         aux = self._aux_files(sharded_state_dict, checkpoint_dir)
-        request = compat.request_type(async_strategy)  # before prepare: an unknown queue must not cost the old checkpoint
-        job = self._engine.prepare(sharded_state_dict, str(checkpoint_dir), True, aux)
+        request, unavailable = _request_type(async_strategy)
+        # A queue this rank cannot serve is refused on every rank by the plan exchange, before anything is touched.
+        job = self._engine.prepare(sharded_state_dict, str(checkpoint_dir), True, aux, refusal=unavailable)
         return request(job.write, job.args, job.finalize)
 
     def _aux_files(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> dict[str, bytes]:
@@ -122,3 +123,15 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
             keep_committed_aux_files(str(checkpoint_dir), "rank 0")
         return aux
 
+
+def _request_type(async_strategy: Optional[str]) -> tuple[Any, Optional[str]]:
+    """The ``AsyncRequest`` class of the caller's queue, or why this rank has none.
+
+    megatron raises its own error here (``ModuleNotFoundError`` for "nvrx"
+    without nvidia-resiliency-ext) on each rank by itself; agreed instead, no
+    rank returns before rank 0 has put back the committed ``common.pt``.
+    """
+    try:
+        return compat.request_type(async_strategy), None
+    except Exception as e:  # noqa: BLE001 - whatever megatron raises, every rank must refuse together
+        return None, f"rank {dist.get_rank()}: async_strategy={async_strategy!r} cannot be served: {type(e).__name__}: {e}"
