@@ -68,6 +68,7 @@ from .index_pages import (
     select_pages,
     top_level,
 )
+from .shared_dir import view_of, why_not_shared
 from .storage.writer import WriteItem, WriteResult, write_rank_file
 
 logger = logging.getLogger(__name__)
@@ -151,8 +152,25 @@ def agree(local_error: Optional[str], what: str) -> None:
     raise_if(gather_or_fail(local_error, what), what)
 
 
-def prepare_checkpoint_dir(checkpoint_dir: str, create: bool = True) -> None:
-    """Collective: create ``checkpoint_dir`` (rank 0) and check that every rank can write it.
+def check_shared_directory(checkpoint_dir: str, required: bool = True) -> Optional[str]:
+    """Collective (world): why this rank does not see rank 0's ``checkpoint_dir`` (see ``shared_dir``), or None.
+
+    Rank 0's view is broadcast whatever ``required`` says, so ranks that
+    disagree about it still run the same collectives.
+    """
+    mine = view_of(checkpoint_dir)
+    first = [mine if dist.get_rank() == 0 else None]
+    try:
+        dist.broadcast_object_list(first, src=0)
+    except RuntimeError as e:  # torch's DistError family
+        raise SaveFailedError(f"rank {dist.get_rank()}: a rank died or timed out while comparing views of "
+                              f"{checkpoint_dir}; nothing was written ({e})") from e
+    return why_not_shared(mine, first[0], dist.get_rank(), checkpoint_dir) if required else None
+
+
+def prepare_checkpoint_dir(checkpoint_dir: str, create: bool = True, require_shared_dir: bool = True) -> None:
+    """Collective: create ``checkpoint_dir`` (rank 0) and check that every rank can write it, and sees
+    the directory rank 0 made (``require_shared_dir``: as the save strategy's knob).
 
     Call it instead of ``os.makedirs`` + barrier before ``dist_checkpointing.save``:
     megatron's save() lists the directory and writes ``common.pt`` on rank 0
@@ -170,7 +188,9 @@ def prepare_checkpoint_dir(checkpoint_dir: str, create: bool = True) -> None:
             created = [f"rank 0: cannot create {checkpoint_dir}: {e.strerror}"]
     dist.broadcast_object_list(created, src=0)
     raise_if(created, what)
-    agree(check_target_directory(checkpoint_dir), what)
+    unusable = check_target_directory(checkpoint_dir)
+    not_shared = check_shared_directory(checkpoint_dir, require_shared_dir)
+    agree(unusable or not_shared, what)
 
 
 MARKERS = (DCP_METADATA_FILE, INDEX_FILE)  # removed first when overwriting, whichever format wrote them

@@ -30,6 +30,10 @@ class WriteConfig:
     readback_stride: after fsync, re-read from the device and compare the first
         and last checksum block of each file (0), also every N-th block (N > 0;
         1: all), or nothing (None). DeepSpeed reports no failed aio write.
+    require_shared_dir: refuse a save, before anything is written, where a rank
+        evidently does not see rank 0's checkpoint directory (node-local storage,
+        another mount namespace; see shared_dir.py); False: write such node-local
+        parts anyway (to be gathered into one directory by the caller).
     """
 
     direct_io: DirectIO = "auto"
@@ -41,6 +45,7 @@ class WriteConfig:
     checksum_block_mb: int = DEFAULT_BLOCK_BYTES // MiB
     balance: bool = True
     readback_stride: Optional[int] = 0
+    require_shared_dir: bool = True
 
     def __post_init__(self) -> None:
         if self.direct_io not in ("auto", "on", "off"):

@@ -24,7 +24,8 @@ from typing import Callable, Iterator, Optional
 import torch.distributed as dist
 
 from .checkpoint_formats import CheckpointFormat
-from .commit import agree, check_target_directory, finalize_save, gather_or_fail, invalidate, raise_if, write_and_report
+from .commit import (agree, check_shared_directory, check_target_directory, finalize_save, gather_or_fail, invalidate,
+                     raise_if, write_and_report)
 from .config import WriteConfig
 from .errors import FastPersistError, SaveFailedError
 from .format import ShardRecord
@@ -211,6 +212,8 @@ class SaveEngine:
         error = refusal or error
         if error is None:  # every rank: a node-local directory may be missing or read-only on one node only
             error = check_target_directory(ckpt)
+        not_shared = check_shared_directory(ckpt, self.config.require_shared_dir)  # collective: every rank
+        error = error or not_shared
         what = f"cannot save checkpoint {ckpt}"
         phases.mark("describe")
         staged = assign(staged, self._plan([s.record for s in staged], error, what), rank)

@@ -1,0 +1,135 @@
+"""Whether every rank of a save sees one and the same checkpoint directory.
+
+A distributed checkpoint is one directory: every rank writes its data file
+into it and rank 0 commits an index naming all of them. When the path lies on
+storage each machine has for itself (a local NVMe mount, tmpfs, a container's
+own volume), every node gets its own directory of that name, the save
+succeeds on every rank, and no node holds a loadable checkpoint; nobody learns
+of it before the resume. So before anything is written each rank compares its
+view of the directory with rank 0's (:func:`why_not_shared`):
+
+* on rank 0's machine (same kernel boot id): the same inode on the same device
+  (not another mount namespace, bind mount or container volume), and, where
+  the devices differ, not a filesystem only one machine can mount on either side;
+* on another machine: neither side on such a filesystem (``LOCAL_FILESYSTEMS``).
+
+Network and parallel filesystems (NFS, Lustre, GPFS, fuse, ...) pass across
+machines: their device numbers differ from client to client, and some number
+inodes per client, so nothing more can be compared without writing a file.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+# Filesystems a single machine mounts: a directory on one is never another machine's.
+LOCAL_FILESYSTEMS = frozenset({
+    "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "zfs", "jfs", "reiserfs", "nilfs2",
+    "tmpfs", "ramfs", "devtmpfs", "overlay", "vfat", "msdos", "exfat", "ntfs", "ntfs3", "hfsplus",
+})
+OPT_OUT = "require_shared_dir=False"
+
+
+@dataclass(frozen=True)
+class DirView:
+    """How one process sees a directory: which machine, filesystem and inode."""
+
+    machine: str  # the kernel's boot id (the host name where there is none)
+    host: str
+    fstype: str
+    mount_point: str
+    device: int
+    inode: int
+
+    def describe(self) -> str:
+        return f"{self.fstype} mounted at {self.mount_point} (device {self.device:#x}, inode {self.inode})"
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash in paths as octal escapes."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def parse_mountinfo(text: str) -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of each line of ``/proc/<pid>/mountinfo``, in order."""
+    mounts = []
+    for line in text.splitlines():
+        fields = line.split(" ")
+        if " - " not in line or len(fields) < 5:
+            continue
+        after = line.split(" - ", 1)[1].split(" ")
+        mounts.append((_unescape(fields[4]), after[0]))
+    return mounts
+
+
+def filesystem_of(path: str, mounts: list[tuple[str, str]]) -> tuple[str, str]:
+    """(filesystem type, mount point) of absolute ``path``: the longest mount point above it, the
+    last one listed where several are mounted on the same point (the one on top)."""
+    best = ("unknown", "/")
+    best_len = -1
+    for point, fstype in mounts:
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= best_len:
+            best, best_len = (fstype, point), len(point)
+    return best
+
+
+@lru_cache(maxsize=1)
+def _machine() -> tuple[str, str]:
+    host = socket.gethostname()
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or host, host
+    except OSError:
+        return host, host
+
+
+def view_of(path: str) -> Optional[DirView]:
+    """This process's view of directory ``path``, or None where it cannot be seen (missing)."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+        with open("/proc/self/mountinfo") as f:
+            mounts = parse_mountinfo(f.read())
+    except OSError:
+        return None
+    fstype, point = filesystem_of(real, mounts)
+    machine, host = _machine()
+    return DirView(machine, host, fstype, point, st.st_dev, st.st_ino)
+
+
+def why_not_shared(mine: Optional[DirView], first: Optional[DirView], rank: int, path: str) -> Optional[str]:
+    """Why rank ``rank`` (view ``mine``) does not share directory ``path`` with rank 0 (view ``first``), or None.
+
+    None also where a view is missing: the directory checks say why.
+    """
+    if mine is None or first is None or rank == 0:
+        return None
+    who = f"rank {rank} (host {mine.host})"
+    local = [f"{name}'s is on {v.fstype}" for name, v in ((f"rank {rank}", mine), ("rank 0", first))
+             if v.fstype in LOCAL_FILESYSTEMS]
+    if mine.machine == first.machine:
+        if (mine.device, mine.inode) == (first.device, first.inode):
+            return None
+        if mine.device != first.device and not local:
+            return None  # e.g. the same NFS export mounted twice: device numbers differ, inodes may too
+        return (f"{who} sees {path} as a different directory than rank 0 on the same machine: "
+                f"{mine.describe()} against {first.describe()} (another mount namespace, bind mount or "
+                f"container volume?); {_consequence()}")
+    if not local:
+        return None
+    return (f"{who} and rank 0 (host {first.host}) are on different machines, and {' and '.join(local)}, "
+            f"a filesystem only one machine mounts, so they cannot see one directory {path} "
+            f"(rank {rank}: {mine.describe()}; rank 0: {first.describe()}); {_consequence()}")
+
+
+def _consequence() -> str:
+    return ("rank 0 would commit an index naming data files it cannot see, and no node would hold a loadable "
+            "checkpoint. Save to a directory every rank shares (NFS, Lustre, GPFS, ...), or, to write "
+            f"node-local parts on purpose and gather them yourself, pass {OPT_OUT}")
