@@ -105,6 +105,16 @@ def itemsize(name: str) -> int:
     return dtype_from_name(name).itemsize
 
 
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """1-D uint8 view of the bytes of contiguous ``t``.
+
+    Not ``t.reshape(-1).view(torch.uint8)``: torch calls a tensor of at most one
+    element contiguous whatever its stride (a slice of a strided view), keeps
+    that stride through ``reshape`` and then refuses the byte view.
+    """
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
 @dataclass(frozen=True)
 class ShardRecord:
     """One stored shard: which part of which global tensor (or object), and where its bytes are.

@@ -16,7 +16,7 @@ import torch
 
 from ..checksum import first_bad_block
 from ..errors import CorruptCheckpointError
-from ..format import CheckpointIndex, ShardRecord, dtype_from_name
+from ..format import CheckpointIndex, ShardRecord, dtype_from_name, tensor_bytes
 from ..layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs
 
 # Gaps up to this size between needed runs are read through rather than skipped.
@@ -200,4 +200,4 @@ def _direct_target(dest: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Ten
     """A uint8 view of ``dest``'s bytes if bytes can be read straight into it."""
     if dest.device.type != "cpu" or dest.dtype != dtype or not dest.is_contiguous():
         return None
-    return dest.reshape(-1).view(torch.uint8)
+    return tensor_bytes(dest)

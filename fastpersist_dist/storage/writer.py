@@ -35,7 +35,7 @@ from .. import progress
 from ..checksum import BlockHasher, digest_bytes
 from ..config import MiB, WriteConfig
 from ..errors import FastPersistError
-from ..format import ShardRecord, with_checksums
+from ..format import ShardRecord, tensor_bytes, with_checksums
 from ..timing import Phases
 from .deepspeed_ops import (
     LockedMemoryError,
@@ -212,7 +212,7 @@ def host_bytes(data: torch.Tensor) -> torch.Tensor:
     host = data.detach()
     if host.device.type != "cpu":
         host = host.to("cpu")
-    return host.contiguous().reshape(-1).view(torch.uint8)
+    return tensor_bytes(host.contiguous())
 
 
 class _HostBytesAhead:
@@ -252,7 +252,10 @@ class _HostBytesAhead:
     def _make(self, cost: int) -> None:
         k = len(self.digests)
         item = self._items[k]
-        host = host_bytes(item.data)
+        try:
+            host = host_bytes(item.data)
+        except Exception as e:  # made ahead of the item being written: name the one that failed
+            raise FastPersistError(f"taking the bytes of {item.record.describe()}: {type(e).__name__}: {e}") from e
         if cost:
             self._copies.append((k, cost))
         self._hosts.append(host)
