@@ -79,6 +79,12 @@ def _group(held: Sequence[Sequence[ShardRecord]], ranks: Sequence[int], adopt_em
         for r in records:
             where = (r.kind, r.key, r.global_offset)
             s = shards.get(where)
+            if s is not None and _shape(r) != s.shape and r.kind == KIND_TENSOR and 0 in (r.length, s.length):
+                # The empty part of an uneven split starts where the next part does and holds nothing.
+                if r.length == 0:
+                    continue
+                s = None
+                empty_main.discard(where)
             if s is None:
                 s = shards[where] = _Shard(None, {}, r.length, _shape(r))
             elif _shape(r) != s.shape:

@@ -137,6 +137,7 @@ def _load_layout(rank: int, world: int, path: str, split: object, verify: bool) 
         (2, (3, 5), 4, 1),      # uneven rows -> axis 1
         (2, (1, 7), 4, (2, 2, 3, 1)),  # uneven -> differently uneven
         (1, None, 2, (5, 3)),
+        (2, (0, 8), 3, (4, 0, 4)),  # an empty part at the offset of the next part, saved and loaded
     ],
 )
 @pytest.mark.parametrize("verify", [True, False])
