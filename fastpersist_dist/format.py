@@ -39,6 +39,7 @@ KIND_TENSOR = "tensor"
 KIND_OBJECT = "object"
 CONTAINER_RAW = "raw"
 CONTAINER_TORCH_SAVE = "torch_save"
+CHECKSUM_BLOCK_ALIGN = 4096  # checksum_block_bytes is a multiple of this (see checksum_block)
 # Index version per container: what a reader must understand to use the records.
 FORMAT_VERSIONS = {CONTAINER_RAW: 1, CONTAINER_TORCH_SAVE: 2}
 _FILE_RE = {CONTAINER_RAW: DATA_FILE_RE, CONTAINER_TORCH_SAVE: DCP_FILE_RE}
@@ -208,7 +209,7 @@ class CheckpointIndex:
         if FORMAT_VERSIONS.get(container) != version:
             raise CorruptCheckpointError(f"{where}: container {container!r} does not go with format version {version}")
         digest, aux = commit_fields(body, container, where)
-        block = _int(body.get("checksum_block_bytes"), "checksum_block_bytes", where, minimum=1)
+        block = checksum_block(body.get("checksum_block_bytes"), where)
         files = body.get("files")
         if not isinstance(files, dict):
             raise CorruptCheckpointError(f"{where}: 'files' must be an object")
@@ -274,6 +275,16 @@ def record_to_json(r: ShardRecord, container: str = CONTAINER_RAW) -> dict:
     if container == CONTAINER_RAW:
         del d["data_offset"]
     return d
+
+
+def checksum_block(value: Any, where: str) -> int:
+    """A valid ``checksum_block_bytes``: readers widen reads to whole blocks and take elements from the block
+    start, so a block must hold whole elements of every dtype; a page multiple also keeps O_DIRECT aligned."""
+    block = _int(value, "checksum_block_bytes", where, minimum=1)
+    if block % CHECKSUM_BLOCK_ALIGN:
+        raise CorruptCheckpointError(f"{where}: checksum_block_bytes must be a multiple of {CHECKSUM_BLOCK_ALIGN}, "
+                                     f"got {block}")
+    return block
 
 
 def _int(value: Any, what: str, where: str, minimum: int = 0) -> int:
@@ -347,6 +358,8 @@ def record_from_json(d: Any, where: str, files: dict[str, int], block: int, cont
             raise CorruptCheckpointError(
                 f"{at}: {numel} elements of {dtype} need {numel * size} bytes, index says {length}"
             )
+        if data_offset % size:
+            raise CorruptCheckpointError(f"{at}: data_offset {data_offset} does not start a {size}-byte element")
         if data_offset + numel * size > length:
             raise CorruptCheckpointError(
                 f"{at}: {numel} elements of {dtype} from byte {data_offset} do not fit in the record's {length} bytes"

@@ -37,6 +37,7 @@ from .format import (
     ShardRecord,
     _canonical,
     _int,
+    checksum_block,
     _int_tuple,
     check_file_name,
     checked_body,
@@ -284,7 +285,7 @@ def parse_top(doc: dict, where: str) -> PagedIndex:
     keys = {k: _key_entry(k, v, parts, f"{where}: key '{k}'") for k, v in raw_keys.items()}
     return PagedIndex(
         world_size=_int(body.get("world_size"), "world_size", where, minimum=1),
-        checksum_block_bytes=_int(body.get("checksum_block_bytes"), "checksum_block_bytes", where, minimum=1),
+        checksum_block_bytes=checksum_block(body.get("checksum_block_bytes"), where),
         container=container, keys=keys, parts=dict(parts),
         metadata_xxh3_64=digest, aux_files=aux,
     )

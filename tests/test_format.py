@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +11,7 @@ from fastpersist_dist.checksum import digest_bytes
 from fastpersist_dist.coverage import coverage_errors
 from fastpersist_dist.errors import CorruptCheckpointError, FastPersistError
 from fastpersist_dist.format import (
+    CONTAINER_TORCH_SAVE,
     CheckpointIndex,
     ShardRecord,
     _canonical,
@@ -76,12 +78,27 @@ def _set(path: str, value: object):
         (_set("records.0.kind", "pickle"), "unknown kind"),
         (_set("files", {"fastpersist_r00001.bin": 24}), "is not listed in the index"),
         (_set("checksum_block_bytes", 0), "checksum_block_bytes must be an integer >= 1"),
+        # Reads widen to whole blocks and take elements from the block start: a 7-byte block shifted them.
+        (_set("checksum_block_bytes", 7), "checksum_block_bytes must be a multiple of 4096, got 7"),
     ],
 )
 def test_hostile_index_is_refused(mutate, needle):
     with pytest.raises(FastPersistError) as info:
         CheckpointIndex.from_json_bytes(_mutated(mutate), "idx")
     assert needle in str(info.value)
+
+
+def test_elements_of_a_torch_save_record_must_start_on_an_element():
+    file = data_file_name(0, CONTAINER_TORCH_SAVE)
+    good = replace(rec(file=file, length=64, dtype="float64"), data_offset=8)
+
+    def of(r: ShardRecord) -> bytes:
+        return CheckpointIndex(world_size=1, checksum_block_bytes=4 << 20, files={file: 64}, records=(r,),
+                               container=CONTAINER_TORCH_SAVE, metadata_xxh3_64="0" * 16).to_json_bytes()
+
+    assert CheckpointIndex.from_json_bytes(of(good), "idx").records == (good,)
+    with pytest.raises(CorruptCheckpointError, match="data_offset 4 does not start a 8-byte element"):
+        CheckpointIndex.from_json_bytes(of(replace(good, data_offset=4)), "idx")  # reads would shift the values
 
 
 def test_damaged_bytes_are_refused():
