@@ -39,7 +39,7 @@ KIND_TENSOR = "tensor"
 KIND_OBJECT = "object"
 CONTAINER_RAW = "raw"
 CONTAINER_TORCH_SAVE = "torch_save"
-CHECKSUM_BLOCK_ALIGN = 4096  # checksum_block_bytes is a multiple of this (see checksum_block)
+CHECKSUM_BLOCK_ALIGN = 16  # checksum_block_bytes is a multiple of the largest element (see checksum_block)
 # Index version per container: what a reader must understand to use the records.
 FORMAT_VERSIONS = {CONTAINER_RAW: 1, CONTAINER_TORCH_SAVE: 2}
 _FILE_RE = {CONTAINER_RAW: DATA_FILE_RE, CONTAINER_TORCH_SAVE: DCP_FILE_RE}
@@ -279,7 +279,7 @@ def record_to_json(r: ShardRecord, container: str = CONTAINER_RAW) -> dict:
 
 def checksum_block(value: Any, where: str) -> int:
     """A valid ``checksum_block_bytes``: readers widen reads to whole blocks and take elements from the block
-    start, so a block must hold whole elements of every dtype; a page multiple also keeps O_DIRECT aligned."""
+    start, so a block must hold whole elements of every dtype."""
     block = _int(value, "checksum_block_bytes", where, minimum=1)
     if block % CHECKSUM_BLOCK_ALIGN:
         raise CorruptCheckpointError(f"{where}: checksum_block_bytes must be a multiple of {CHECKSUM_BLOCK_ALIGN}, "

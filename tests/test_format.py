@@ -79,7 +79,7 @@ def _set(path: str, value: object):
         (_set("files", {"fastpersist_r00001.bin": 24}), "is not listed in the index"),
         (_set("checksum_block_bytes", 0), "checksum_block_bytes must be an integer >= 1"),
         # Reads widen to whole blocks and take elements from the block start: a 7-byte block shifted them.
-        (_set("checksum_block_bytes", 7), "checksum_block_bytes must be a multiple of 4096, got 7"),
+        (_set("checksum_block_bytes", 7), "checksum_block_bytes must be a multiple of 16, got 7"),
     ],
 )
 def test_hostile_index_is_refused(mutate, needle):
