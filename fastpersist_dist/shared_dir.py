@@ -90,16 +90,23 @@ def _machine() -> tuple[str, str]:
         return host, host
 
 
+def mounted_filesystem(path: str) -> Optional[tuple[str, str]]:
+    """(filesystem type, mount point) holding ``path`` for this process, or None where mountinfo is unreadable."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return filesystem_of(os.path.realpath(path), parse_mountinfo(f.read()))
+    except OSError:
+        return None
+
+
 def view_of(path: str) -> Optional[DirView]:
     """This process's view of directory ``path``, or None where it cannot be seen (missing)."""
     real = os.path.realpath(path)
     try:
         st = os.stat(real)
-        with open("/proc/self/mountinfo") as f:
-            mounts = parse_mountinfo(f.read())
     except OSError:
         return None
-    fstype, point = filesystem_of(real, mounts)
+    fstype, point = mounted_filesystem(real) or ("unknown", "/")
     machine, host = _machine()
     return DirView(machine, host, fstype, point, st.st_dev, st.st_ino)
 

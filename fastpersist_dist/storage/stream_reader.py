@@ -30,6 +30,7 @@ from ..checksum import digest_bytes
 from ..errors import FastPersistError
 from ..format import ShardRecord, dtype_from_name
 from ..layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs
+from ..shared_dir import mounted_filesystem
 from .deepspeed_ops import AioResources
 from .reader import MAX_READ_GAP, ShardReader, halves, split_axis
 from .writer import copies_on_this_thread
@@ -243,19 +244,9 @@ IN_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 
 
 def filesystem_type(path: str) -> Optional[str]:
-    """Type of the filesystem holding ``path`` (longest mount point prefix in /proc/self/mounts)."""
-    path = os.path.realpath(path)
-    best, kind = "", None
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                fields = line.split()
-                mount = fields[1].replace("\\040", " ")
-                if len(mount) > len(best) and (path == mount or path.startswith(mount.rstrip("/") + "/")):
-                    best, kind = mount, fields[2]
-    except OSError:
-        return None
-    return kind
+    """Type of the filesystem holding ``path`` (see :func:`shared_dir.mounted_filesystem`), or None if unknown."""
+    found = mounted_filesystem(path)
+    return None if found is None else found[0]
 
 
 def on_memory_filesystem(path: str) -> bool:
