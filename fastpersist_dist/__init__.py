@@ -18,7 +18,7 @@ if not IS_WRITER:  # a rank's writer process needs none of this (nor megatron-co
     from . import compat  # noqa: E402 - after the filters, which must precede the dependencies' import-time warnings
     from .async_queue import AsyncSaveQueue
     from .commit import prepare_checkpoint_dir
-    from .compat import ASYNC_SAVE_KWARGS
+    from .compat import ASYNC_SAVE_KWARGS, FullyParallelSaveWrapper
     from .config import WriteConfig
     from .errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
     from .format import BACKEND, BACKEND_VERSION
@@ -38,6 +38,7 @@ __all__ = [
     "FastPersistError",
     "FastPersistLoadStrategy",
     "FastPersistSaveStrategy",
+    "FullyParallelSaveWrapper",
     "IncompleteCheckpointError",
     "SaveFailedError",
     "WriteConfig",

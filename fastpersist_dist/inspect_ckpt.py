@@ -170,7 +170,9 @@ def format_problems(backend: Optional[str], index: CheckpointIndex) -> list[str]
     if backend is None or backend == fmt.backend:
         return []
     return [f"metadata.json names backend {backend} but {INDEX_FILE} commits a {fmt.name} checkpoint "
-            f"(backend {fmt.backend}): megatron would pick the wrong loader"]
+            f"(backend {fmt.backend}): megatron would pick the wrong loader (megatron-core 0.17+'s "
+            "FullyParallelSaveStrategyWrapper writes torch_dist whatever it wraps; wrap ours in "
+            "fastpersist_dist.FullyParallelSaveWrapper; FastPersistLoadStrategy still reads this checkpoint)"]
 
 
 def _read_metadata(report: InspectReport) -> None:

@@ -4,10 +4,12 @@ Megatron-LM's ``megatron/training/checkpointing.py`` builds its save strategy in
 one place and its load strategy in one other, and leaves everything else to
 megatron-core. :func:`enable` replaces exactly those two names in that module
 (which names is the megatron-core contract's business:
-``compat.TRAINING_STRATEGY_SEAMS``) with factories that return our strategies.
-All around them stays Megatron-LM's: the ``checkpointing_context`` cache, the
-``FullyParallelSaveStrategyWrapper`` it puts around ours (its default; off with
-``--no-ckpt-fully-parallel-save``) and the fully-parallel load wrapper,
+``compat.TRAINING_STRATEGY_SEAMS``) with factories that return our strategies,
+and the name of the ``FullyParallelSaveStrategyWrapper`` it puts around ours
+(its default; off with ``--no-ckpt-fully-parallel-save``) with megatron's
+wrapper reporting our backend (``compat.FullyParallelSaveWrapper``).
+All else stays Megatron-LM's: the ``checkpointing_context`` cache, the
+fully-parallel load wrapper,
 ``--async-save`` (its ``AsyncCallsQueue`` runs our ``AsyncRequest``),
 ``metadata.json``, the tracker file and ``--load``::
 
@@ -30,39 +32,17 @@ import sys
 from types import ModuleType
 from typing import Any, Optional
 
-from . import compat
+from . import compat, seams
 from .errors import FastPersistError
 from .strategies.fastpersist_load import FastPersistLoadStrategy
 from .strategies.fastpersist_save import FastPersistSaveStrategy
 
 logger = logging.getLogger(__name__)
 
+FRAMEWORK = "Megatron-LM"
 TRAINING_MODULE = "megatron.training.checkpointing"
 ASYNC_FLAG = "--async-save"  # Megatron-LM's flag for asynchronous checkpoints
 USAGE = "usage: python -m fastpersist_dist.megatron_lm SCRIPT [ARGS...]  (e.g. pretrain_gpt.py and its arguments)"
-
-_originals: dict[tuple[ModuleType, str], Any] = {}  # (module, name) -> what Megatron-LM had there
-
-
-class StrategyFactory:
-    """Stands in for one strategy-building name of Megatron-LM and returns our strategy.
-
-    Megatron-LM's arguments to the original (a format name, a checkpoint
-    directory, torch_dist options such as ``cache_metadata``) do not apply to
-    ours and are ignored. The one instance is shared by every call, so its
-    write plan, snapshot buffer and loaded ops last the whole run even where
-    Megatron-LM builds a strategy per save (no ``checkpointing_context``).
-    """
-
-    def __init__(self, replaces: str, strategy: Any):
-        self.replaces = replaces
-        self.strategy = strategy
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        logger.debug("fastpersist: Megatron-LM asked %s(%s) for a strategy; using %s", self.replaces,
-                     ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]),
-                     type(self.strategy).__name__)
-        return self.strategy
 
 
 def _training_module() -> ModuleType:
@@ -96,17 +76,11 @@ def enable(checkpoint_format: str = "torch_dist", *, target: Optional[ModuleType
     """
     module = target if target is not None else _training_module()
     save_name, load_name = compat.TRAINING_STRATEGY_SEAMS
-    for name in (save_name, load_name):
-        if (module, name) not in _originals and not hasattr(module, name):
-            raise FastPersistError(
-                f"{getattr(module, '__file__', module.__name__)} has no {name}: this Megatron-LM does not build its "
-                "checkpoint strategies the way the one released with the installed megatron-core does; use matching "
-                "versions"
-            )
     save_strategy = FastPersistSaveStrategy(checkpoint_format, **knobs)
-    for name, strategy in ((save_name, save_strategy), (load_name, FastPersistLoadStrategy())):
-        _originals.setdefault((module, name), getattr(module, name))
-        setattr(module, name, StrategyFactory(name, strategy))
+    replacements = {**seams.factories({save_name: save_strategy, load_name: FastPersistLoadStrategy()}),
+                    compat.WRAPPER_SEAM: compat.FullyParallelSaveWrapper}
+    seams.replace(FRAMEWORK, module, replacements,
+                  "the way the one released with the installed megatron-core does; use matching versions")
     (logger.info if os.environ.get("RANK", "0") == "0" else logger.debug)(
         "fastpersist: Megatron-LM checkpoints (%s) now save with FastPersistSaveStrategy(%r) in place of %s "
         "and load with FastPersistLoadStrategy (checksums verified) in place of %s",
@@ -119,11 +93,7 @@ def enable(checkpoint_format: str = "torch_dist", *, target: Optional[ModuleType
 
 def disable() -> None:
     """Give Megatron-LM its own strategies back (no-op when not enabled)."""
-    for (module, name), original in _originals.items():
-        setattr(module, name, original)
-    if _originals:
-        logger.debug("fastpersist: Megatron-LM checkpointing restored to its own strategies")
-    _originals.clear()
+    seams.restore(FRAMEWORK)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

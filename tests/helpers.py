@@ -51,6 +51,20 @@ def global_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.f
     return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype)
 
 
+def rows_and_replica(prefix: str, rank: int, world: int, empty: bool) -> dict:
+    """A small state as a framework hands it over: ``w`` split by rows over the ranks, ``b`` replicated.
+
+    ``empty``: the same shards with uninitialized data, to load into.
+    """
+    rows = global_tensor(f"{prefix}.w", (4 * world, 8))
+    bias = global_tensor(f"{prefix}.b", (16,))
+    mine = rows[4 * rank: 4 * rank + 4]
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.empty_like(mine) if empty else mine.clone(), (0, rank, world)),
+        "b": ShardedTensor.from_rank_offsets("b", torch.empty_like(bias) if empty else bias.clone(), replica_id=rank),
+    }
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Raw bytes of a tensor, for exact comparison (NaN-safe, dtype-agnostic)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)

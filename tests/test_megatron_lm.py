@@ -29,7 +29,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategies
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
@@ -38,7 +37,7 @@ from fastpersist_dist import (FastPersistLoadStrategy, FastPersistSaveStrategy, 
 from fastpersist_dist.format import INDEX_FILE
 from fastpersist_dist.verify import verify_checkpoint
 
-from .helpers import global_tensor
+from .helpers import rows_and_replica
 from .multiproc import _free_port, run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,39 +47,35 @@ SAVE_SEAM, LOAD_SEAM = compat.TRAINING_STRATEGY_SEAMS
 
 
 def _as_megatron_lm_imports_them() -> types.ModuleType:
-    """A module holding the two seams as checkpointing.py imports them from megatron-core."""
+    """A module holding the two seams and the fully-parallel wrapper as checkpointing.py imports them."""
     from megatron.core.dist_checkpointing import serialization
 
     module = types.ModuleType("checkpointing_seams")
     for name in compat.TRAINING_STRATEGY_SEAMS:
         source = serialization if hasattr(serialization, name) else mcore_torch_strategies
         setattr(module, name, getattr(source, name))
+    setattr(module, compat.WRAPPER_SEAM, FullyParallelSaveStrategyWrapper)
     return module
 
 
 def _state(rank: int, world: int, empty: bool) -> dict:
-    rows = global_tensor("mlm.w", (4 * world, 8))
-    bias = global_tensor("mlm.b", (16,))
-    mine = rows[4 * rank: 4 * rank + 4]
-    return {
-        "w": ShardedTensor.from_rank_offsets("w", torch.empty_like(mine) if empty else mine.clone(), (0, rank, world)),
-        "b": ShardedTensor.from_rank_offsets("b", torch.empty_like(bias) if empty else bias.clone(), replica_id=rank),
-    }
+    return rows_and_replica("mlm", rank, world, empty)
 
 
-def _save_and_load_through_seams(rank: int, world: int, path: str) -> dict:
+def _save_and_load_through_seams(rank: int, world: int, path: str, checkpoint_format: str) -> dict:
     module = _as_megatron_lm_imports_them()
-    originals = {name: getattr(module, name) for name in compat.TRAINING_STRATEGY_SEAMS}
-    returned = megatron_lm.enable(target=module)
+    originals = {name: getattr(module, name) for name in (*compat.TRAINING_STRATEGY_SEAMS, compat.WRAPPER_SEAM)}
+    returned = megatron_lm.enable(checkpoint_format, target=module)
     try:
         built = getattr(module, SAVE_SEAM)("torch_dist")  # Megatron-LM's arguments are ignored
         assert built is returned and isinstance(built, FastPersistSaveStrategy)
-        assert built.checkpoint_format == "torch_dist"
+        assert built.checkpoint_format == checkpoint_format
         assert getattr(module, SAVE_SEAM)() is built  # one instance: its plan and buffers last the run
         prepare_checkpoint_dir(path)
-        # What Megatron-LM does by default (--ckpt-fully-parallel-save): its wrapper around the strategy.
-        dist_checkpointing.save(_state(rank, world, empty=False), path,
-                                FullyParallelSaveStrategyWrapper(built, dist.group.WORLD))
+        # What Megatron-LM does by default (fully-parallel save): its wrapper around the strategy, built by name.
+        wrapper = getattr(module, compat.WRAPPER_SEAM)(built, dist.group.WORLD, False)
+        assert isinstance(wrapper, FullyParallelSaveStrategyWrapper) and wrapper.base_strategy is built
+        dist_checkpointing.save(_state(rank, world, empty=False), path, wrapper)
         loader = getattr(module, LOAD_SEAM)(path)
         assert isinstance(loader, FastPersistLoadStrategy)
         loaded = dist_checkpointing.load(_state(rank, world, empty=True), path, loader)
@@ -92,13 +87,17 @@ def _save_and_load_through_seams(rank: int, world: int, path: str) -> dict:
     return {"files": sorted(os.listdir(path))}
 
 
-def test_enable_replaces_megatron_lm_strategy_seams_and_saves_our_format(tmp_path):
+@pytest.mark.parametrize("checkpoint_format", ["torch_dist", "fastpersist"])
+def test_enable_replaces_megatron_lm_strategy_seams_and_saves_our_format(tmp_path, checkpoint_format):
     path = str(tmp_path / "iter_0000001")
-    results = run_ranks(2, _save_and_load_through_seams, path)
+    results = run_ranks(2, _save_and_load_through_seams, path, checkpoint_format)
     files = results[0]["files"]
-    assert {INDEX_FILE, ".metadata", "metadata.json"} <= set(files), files
+    data = {"torch_dist": ".metadata", "fastpersist": "fastpersist_r00000.bin"}[checkpoint_format]
+    assert {INDEX_FILE, data, "metadata.json"} <= set(files), files
     with open(os.path.join(path, "metadata.json")) as f:
-        assert json.load(f)["sharded_backend"] == "torch_dist"  # any Megatron-LM loads it
+        # torch_dist: any Megatron-LM loads it; fastpersist: megatron-core 0.16's load() picks our loader by it
+        # (megatron-core 0.17+'s own wrapper would have written "torch_dist" whatever it wrapped)
+        assert json.load(f)["sharded_backend"] == checkpoint_format
     report = verify_checkpoint(path)
     assert report.ok, report.problems
 
@@ -202,14 +201,17 @@ def _check_run(ckpt: Path, train: list[dict], resume: list[dict], wrapper: str) 
         assert report.ok, report.problems
 
 
-def test_megatron_lm_training_sync_saves_and_resume(megatron_lm_training, tmp_path):
-    """enable() in the launcher; Megatron-LM's default fully-parallel save wrapper around ours."""
+@pytest.mark.parametrize("checkpoint_format", ["torch_dist", "fastpersist"])
+def test_megatron_lm_training_sync_saves_and_resume(megatron_lm_training, tmp_path, checkpoint_format):
+    """enable() in the launcher; Megatron-LM's default fully-parallel save wrapper around ours; both formats."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    enable = {"FASTPERSIST_ENABLE": "1"}  # the driver calls megatron_lm.enable() first
+    # the driver calls megatron_lm.enable(FASTPERSIST_FORMAT) first
+    enable = {"FASTPERSIST_ENABLE": "1", "FASTPERSIST_FORMAT": checkpoint_format}
     train = _run("train", ckpt, [], [sys.executable], enable)
     resume = _run("resume", ckpt, [], [sys.executable], enable)
-    _check_run(ckpt, train, resume, "FullyParallelSaveStrategyWrapper")
+    # Megatron-LM's fully-parallel wrapper, built by the name enable() replaced (megatron's own class on 0.16)
+    _check_run(ckpt, train, resume, compat.FullyParallelSaveWrapper.__name__)
     assert not any(r["writer_before_first_save"] for r in train + resume)  # no writer process for sync saves
 
 

@@ -47,14 +47,18 @@ stock_load = _adapter.stock_load
 strategy_input = _common.strategy_input
 register = _adapter.register
 TRAINING_STRATEGY_SEAMS = _adapter.TRAINING_STRATEGY_SEAMS
+FullyParallelSaveWrapper = _adapter.FullyParallelSaveWrapper
+WRAPPER_SEAM = "FullyParallelSaveStrategyWrapper"  # the name Megatron-LM and NeMo build that wrapper by
 
 __all__ = [
     "ASYNC_SAVE_KWARGS",
     "DEFAULT_FORMAT",
+    "FullyParallelSaveWrapper",
     "REGISTRY",
     "LoadStrategyBase",
     "SaveStrategyBase",
     "TRAINING_STRATEGY_SEAMS",
+    "WRAPPER_SEAM",
     "common_files",
     "megatron_async_queue",
     "request_type",

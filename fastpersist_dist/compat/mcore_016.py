@@ -17,6 +17,7 @@ from megatron.core.dist_checkpointing.strategies.base import (
     default_strategies,
     register_default_strategy,
 )
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 DEFAULT_FORMAT = "fastpersist"
@@ -29,6 +30,8 @@ LoadStrategyBase = LoadShardedStrategy
 # and ``get_default_load_sharded_strategy(checkpoint_dir)`` (core_v0.16.1). fastpersist_dist.megatron_lm
 # replaces these two names there.
 TRAINING_STRATEGY_SEAMS = ("get_default_save_sharded_strategy", "get_default_load_sharded_strategy")
+# megatron's fully-parallel save wrapper reports the backend of the strategy it wraps here (0.17+'s does not).
+FullyParallelSaveWrapper = FullyParallelSaveStrategyWrapper
 
 
 def request_type(async_strategy: Optional[str]) -> Callable[[Callable[..., None], tuple, list], AsyncRequest]:

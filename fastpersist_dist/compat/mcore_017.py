@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
@@ -33,6 +34,25 @@ LoadStrategyBase = TorchDistLoadShardedStrategy
 # options (core_v0.17.1, core_v0.18.2, core_r0.19.0). fastpersist_dist.megatron_lm replaces these two
 # names there.
 TRAINING_STRATEGY_SEAMS = ("TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy")
+
+
+class FullyParallelSaveWrapper(FullyParallelSaveStrategyWrapper):
+    """megatron's fully-parallel save wrapper, reporting the backend of the strategy it wraps.
+
+    0.17+'s wrapper reports its own ``backend="torch_dist"`` whatever it wraps
+    (0.16's reports the wrapped strategy's), and ``save()`` writes
+    ``metadata.json`` from the wrapper: a native checkpoint saved through it
+    said "torch_dist" there, so ``verify`` refused it and megatron-core 0.16's
+    ``load()`` picked its torch_dist loader for it. Megatron-LM and NeMo build
+    the wrapper by this name, which ``megatron_lm.enable()`` and
+    ``nemo.enable()`` replace with this class.
+    """
+
+    def __init__(self, strategy: Any, *args: Any, **kwargs: Any):
+        if len(args) < 3:  # args: (parallelization_group, do_cache_distribution, backend, version)
+            kwargs.setdefault("backend", strategy.backend)
+            kwargs.setdefault("version", strategy.version)
+        super().__init__(strategy, *args, **kwargs)
 
 
 def request_type(async_strategy: Optional[str]) -> Callable[[Callable[..., None], tuple, list], Any]:
