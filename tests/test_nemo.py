@@ -146,7 +146,7 @@ def test_nemo_checkpoint_io_saves_and_loads_through_fastpersist(tmp_path, checkp
 @needs_nemo
 def test_disable_gives_nemo_its_own_strategies_back():
     modules = [importlib.import_module(name) for name in fastpersist_nemo.CHECKPOINT_IO_MODULES]
-    names = fastpersist_nemo.SAVE_NAMES + fastpersist_nemo.LOAD_NAMES
+    names = (*fastpersist_nemo.SAVE_NAMES, *fastpersist_nemo.LOAD_NAMES, compat.WRAPPER_SEAM)
     before = [{name: getattr(module, name, None) for name in names} for module in modules]
     strategy = fastpersist_nemo.enable()
     try:
