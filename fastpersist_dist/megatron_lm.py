@@ -79,7 +79,7 @@ def enable(checkpoint_format: str = "torch_dist", *, target: Optional[ModuleType
     save_strategy = FastPersistSaveStrategy(checkpoint_format, **knobs)
     replacements = {**seams.factories({save_name: save_strategy, load_name: FastPersistLoadStrategy()}),
                     compat.WRAPPER_SEAM: compat.FullyParallelSaveWrapper}
-    seams.replace(FRAMEWORK, module, replacements,
+    seams.replace(FRAMEWORK, [module], replacements,
                   "the way the one released with the installed megatron-core does; use matching versions")
     (logger.info if os.environ.get("RANK", "0") == "0" else logger.debug)(
         "fastpersist: Megatron-LM checkpoints (%s) now save with FastPersistSaveStrategy(%r) in place of %s "

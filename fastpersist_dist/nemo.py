@@ -84,12 +84,7 @@ def enable(checkpoint_format: str = "torch_dist", *, async_save: bool = False, *
     replacements = {**seams.factories({**dict.fromkeys(SAVE_NAMES, save_strategy),
                                        **dict.fromkeys(LOAD_NAMES, load_strategy)}),
                     compat.WRAPPER_SEAM: compat.FullyParallelSaveWrapper}
-    try:
-        for module in modules:
-            seams.replace(FRAMEWORK, module, replacements, MISMATCH)
-    except FastPersistError:
-        seams.restore(FRAMEWORK)  # all or nothing
-        raise
+    seams.replace(FRAMEWORK, modules, replacements, MISMATCH)
     (logger.info if os.environ.get("RANK", "0") == "0" else logger.debug)(
         "fastpersist: NeMo checkpoints (%s) now save with FastPersistSaveStrategy(%r) and load with "
         "FastPersistLoadStrategy (checksums verified) where NeMo asks for a strategy",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .errors import FastPersistError
 
@@ -49,21 +49,23 @@ def factories(strategies: Mapping[str, Any]) -> dict[str, StrategyFactory]:
     return {name: StrategyFactory(name, strategy) for name, strategy in strategies.items()}
 
 
-def replace(framework: str, module: ModuleType, replacements: Mapping[str, Any], mismatch: str) -> None:
-    """Set each name of ``replacements`` in ``module``; checks that ``module`` has every name first.
+def replace(framework: str, modules: Sequence[ModuleType], replacements: Mapping[str, Any], mismatch: str) -> None:
+    """Set each name of ``replacements`` in every module; all or nothing: checks every module has every name first.
 
-    ``mismatch`` ends the error raised when ``module`` lacks a name: which
+    ``mismatch`` ends the error raised when a module lacks a name: which
     version of the framework builds its strategies that way.
     """
-    for name in replacements:
-        if (framework, module, name) not in _originals and not hasattr(module, name):
-            raise FastPersistError(
-                f"{getattr(module, '__file__', module.__name__)} has no {name}: this {framework} does not build its "
-                f"checkpoint strategies {mismatch}"
-            )
-    for name, replacement in replacements.items():
-        _originals.setdefault((framework, module, name), getattr(module, name))
-        setattr(module, name, replacement)
+    for module in modules:
+        for name in replacements:
+            if (framework, module, name) not in _originals and not hasattr(module, name):
+                raise FastPersistError(
+                    f"{getattr(module, '__file__', module.__name__)} has no {name}: this {framework} does not build "
+                    f"its checkpoint strategies {mismatch}"
+                )
+    for module in modules:
+        for name, replacement in replacements.items():
+            _originals.setdefault((framework, module, name), getattr(module, name))
+            setattr(module, name, replacement)
 
 
 def restore(framework: str) -> None:

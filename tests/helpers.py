@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 from typing import Optional, Union
 
@@ -27,6 +28,19 @@ COMMON_STATE_OBJECT = tuple(int(p) for p in MCORE_VERSION.split(".")[:2]) >= (0,
 ADDED_OBJECTS: set[str] = {"common_state"} if COMMON_STATE_OBJECT else set()
 # megatron-core 0.17+'s async save defaults to the "nvrx" queue, which needs nvidia-resiliency-ext.
 ASYNC_KW: dict = compat.ASYNC_SAVE_KWARGS
+# scripts/setup.sh puts nvidia-resiliency-ext there (megatron-core 0.17+), beside the venv, not on its path.
+NVRX_DIR = os.path.join(sys.prefix, "nvrx")
+
+
+def megatron_queue(async_strategy: str):
+    """megatron-core 0.17+'s queue for ``async_strategy``: "mcore", or "nvrx" (needs ``NVRX_DIR`` on sys.path).
+
+    nvrx's persistent worker binds a CUDA device (rank % device_count()): its forking caller on CPU.
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+
+    return get_async_strategy(async_strategy, "AsyncCallsQueue")[1](
+        **({"persistent": False} if async_strategy == "nvrx" else {}))
 
 
 def native_strategy(**knobs: object) -> FastPersistSaveStrategy:

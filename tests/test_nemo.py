@@ -36,10 +36,9 @@ from fastpersist_dist.format import INDEX_FILE
 from fastpersist_dist.verify import verify_checkpoint
 
 from .cpu_cuda import stand_in_for_cuda
-from .helpers import rows_and_replica
+from .helpers import NVRX_DIR, megatron_queue, rows_and_replica
 from .multiproc import run_ranks
 
-NVRX_DIR = os.path.join(sys.prefix, "nvrx")  # scripts/setup.sh puts nvidia-resiliency-ext there (0.17+)
 if os.environ.get("FASTPERSIST_NEMO"):
     sys.path.append(os.environ["FASTPERSIST_NEMO"])  # after site-packages: torch and megatron-core stay the venv's
 
@@ -107,13 +106,9 @@ def _queue_for_nemo_requests():
 
     NeMo passes no ``async_strategy``: on megatron-core 0.17+ the request is then
     nvidia-resiliency-ext's ("nvrx", the default there), run by that package's
-    queue (its forking caller: the persistent worker binds a CUDA device).
+    queue.
     """
-    if compat.REGISTRY:
-        return compat.megatron_async_queue()
-    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
-
-    return get_async_strategy("nvrx", "AsyncCallsQueue")[1](persistent=False)
+    return compat.megatron_async_queue() if compat.REGISTRY else megatron_queue("nvrx")
 
 
 CASES = [  # (checkpoint format, async save, parallel load)

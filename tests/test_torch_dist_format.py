@@ -30,8 +30,8 @@ from fastpersist_dist.format import COMMON_FILE, INDEX_FILE, aux_copy_name
 from fastpersist_dist.index_pages import part_file_name
 from fastpersist_dist.verify import verify_checkpoint
 
-from .helpers import (COMMON_STATE_OBJECT, assert_same, empty_like_request, flip_bit, global_tensor, make_dir, save,
-                      sharded)
+from .helpers import (COMMON_STATE_OBJECT, NVRX_DIR, assert_same, empty_like_request, flip_bit, global_tensor, make_dir,
+                      megatron_queue, save, sharded)
 from .multiproc import run_ranks
 from .test_faults import KILL_AT, KILLABLE, _die_at_file_size, _save_error, run_faulty
 
@@ -234,16 +234,10 @@ def test_megatron_fully_parallel_wrapper_around_our_strategy(tmp_path):
     assert min(run_ranks(2, _fully_parallel, str(tmp_path / "fp"))) > 40
 
 
-NVRX_DIR = os.path.join(sys.prefix, "nvrx")  # scripts/setup.sh puts nvidia-resiliency-ext there (0.19)
-
-
 def _async_with_megatron_queue(rank: int, world: int, path: str, queue_name: str) -> int:
-    from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
-
     if queue_name == "nvrx":
         sys.path.insert(0, NVRX_DIR)
-    # nvrx's persistent worker binds a CUDA device (rank % device_count()): its forking caller on CPU.
-    queue = get_async_strategy(queue_name, "AsyncCallsQueue")[1](**({"persistent": False} if queue_name == "nvrx" else {}))
+    queue = megatron_queue(queue_name)
     sd = state(rank, world)
     before = {k: v.data.clone() for k, v in sd.items() if isinstance(v, ShardedTensor)}
     make_dir(path)
