@@ -1,7 +1,8 @@
 """fastpersist-dist: a DeepSpeed DeepNVMe (FastPersist) backend for megatron-core dist_checkpointing.
 
-On megatron-core 0.16, importing the package registers the ('fastpersist', 1)
-save and load strategies; 0.17+ has no registry (see ``compat``). A rank's
+Importing the package registers its strategies with megatron-core (``registry``):
+on 0.16 the ('fastpersist', 1) save and load strategies in megatron's registry;
+on 0.17+, which has no registry, our loader as ``load()``'s default. A rank's
 writer process imports none of it (``roles``).
 """
 
@@ -15,7 +16,7 @@ if os.environ.get("FASTPERSIST_QUIET") == "1":  # a process our command started 
 from .roles import IS_WRITER  # noqa: E402
 
 if not IS_WRITER:  # a rank's writer process needs none of this (nor megatron-core): see roles.py
-    from . import compat  # noqa: E402 - after the filters, which must precede the dependencies' import-time warnings
+    # after the filters, which must precede the dependencies' import-time warnings
     from .async_queue import AsyncSaveQueue
     from .commit import prepare_checkpoint_dir
     from .compat import ASYNC_SAVE_KWARGS, FullyParallelSaveWrapper
@@ -26,8 +27,7 @@ if not IS_WRITER:  # a rank's writer process needs none of this (nor megatron-co
     from .strategies.fastpersist_load import FastPersistLoadStrategy
     from .strategies.fastpersist_save import FastPersistSaveStrategy
 
-    if compat.REGISTRY:
-        register()
+    register()
 
 __all__ = [
     "ASYNC_SAVE_KWARGS",

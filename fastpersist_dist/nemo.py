@@ -69,11 +69,9 @@ def enable(checkpoint_format: str = "torch_dist", *, async_save: bool = False, *
             checkpoint's write.
         knobs: :class:`FastPersistSaveStrategy` knobs (``io_buffer_mb`` ...).
 
-    Loads verify checksums through our loader when NeMo asks for a strategy:
-    with ``parallel_load=True``. Otherwise megatron-core picks the loader from
-    ``metadata.json``: on 0.16 ours for the native format and megatron's own
-    (no checksums) for ``torch_dist``; on 0.17/0.18 always megatron's own, which
-    cannot read the native format, so use ``parallel_load=True`` there.
+    Loads verify checksums through our loader in both formats: NeMo's
+    ``parallel_load=True`` hands it ours, and otherwise megatron-core's default
+    loader is ours since ``import fastpersist_dist`` (``registry``).
     """
     modules = [_checkpoint_io_module(name) for name in CHECKPOINT_IO_MODULES]
     # Each module imports its megatron-core names in one try block and leaves them all out where one import

@@ -1,19 +1,22 @@
-"""Registration of the FastPersist strategies with megatron-core's strategy registry (0.16).
+"""Registration of the FastPersist strategies with megatron-core, done by ``import fastpersist_dist``.
 
-After ``import fastpersist_dist`` on megatron-core 0.16,
-``dist_checkpointing.save(..., sharded_strategy=('fastpersist', 1))`` works, and
-``dist_checkpointing.load`` picks our loader from a checkpoint's
-``metadata.json`` unasked. Megatron keeps one shared instance per (action,
-backend, version); ours hold no per-save state. megatron-core 0.17+ has no
-registry: :func:`register` raises there, saying what to do instead.
+A plain ``dist_checkpointing.load(sd, dir)`` then reads our checkpoints of
+either format with our loader, checksums verified, and hands any other (a
+torch DCP checkpoint without our sidecar index: megatron's own) to megatron's
+loader unchanged. megatron-core 0.16: through its strategy registry, where
+``dist_checkpointing.save(..., sharded_strategy=('fastpersist', 1))`` works too
+and ``load()`` picks the loader by a checkpoint's ``metadata.json``;
+megatron-core 0.17+ has no registry: our loader becomes what ``load()`` uses
+when given no strategy. Megatron keeps one shared instance; ours hold no
+per-load state.
 """
 
 from . import compat
-from .format import BACKEND, BACKEND_VERSION
+from .checkpoint_formats import FASTPERSIST, TORCH_DIST
 from .strategies.fastpersist_load import FastPersistLoadStrategy
 from .strategies.fastpersist_save import FastPersistSaveStrategy
 
 
 def register() -> None:
-    """Register the default save and load strategies for ('fastpersist', 1); idempotent."""
-    compat.register(FastPersistSaveStrategy("fastpersist"), FastPersistLoadStrategy(), BACKEND, BACKEND_VERSION)
+    """Register our default strategies with the installed megatron-core (see the module); idempotent."""
+    compat.register(FastPersistSaveStrategy(FASTPERSIST.name), FastPersistLoadStrategy(), FASTPERSIST, TORCH_DIST)

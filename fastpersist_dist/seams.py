@@ -4,9 +4,10 @@ Megatron-LM and NeMo build their ``dist_checkpointing`` strategies by calling a
 few names they import from megatron-core into a module of their own (Megatron-LM:
 ``megatron.training.checkpointing``; NeMo: ``nemo.lightning.io.pl`` and
 ``nemo.utils.callbacks.dist_ckpt_io``). Replacing exactly those names in exactly
-those modules, and nothing in megatron-core, routes the framework's checkpoints
-through FastPersist while everything around them (strategy wrappers, async
-queues, ``metadata.json``, resume) stays the framework's own.
+those modules routes the framework's checkpoints through FastPersist while
+everything around them (strategy wrappers, async queues, ``metadata.json``,
+resume) stays the framework's own. megatron-core builds its default loader the
+same way: ``compat``'s adapters replace that name (``register``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any, Mapping, Sequence
 from .errors import FastPersistError
 
 logger = logging.getLogger(__name__)
+
+MEGATRON_CORE = "megatron-core"  # the framework whose own names compat's adapters replace (``register``)
 
 # (framework, module, name) -> what the framework had there before the first replace()
 _originals: dict[tuple[str, ModuleType, str], Any] = {}

@@ -1,7 +1,8 @@
 """``python -m tests.cross_stack save|load DIR``: one side of the cross-stack test, run by the other venv.
 
 Saves (2 ranks) or loads and checks (1 and 2 ranks) :func:`tests.test_torch_dist_format.state`
-in the torch_dist format with megatron's plain ``load``, on whichever megatron-core runs it.
+in the torch_dist format, on whichever megatron-core runs it: loads both with a plain ``load``
+(our verifying loader) and with megatron's own loader named explicitly.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import sys
 
 from megatron.core import dist_checkpointing
 
-from .helpers import save
+from .helpers import save, stock_loader
 from .multiproc import run_ranks
 from .test_torch_dist_format import check, state, strategy, template
 
@@ -22,7 +23,9 @@ def _save(rank: int, world: int, path: str) -> None:
 
 
 def _load(rank: int, world: int, path: str) -> int:
-    return check(dist_checkpointing.load(template(rank, world), path), rank, world, SALT)
+    plain = check(dist_checkpointing.load(template(rank, world), path), rank, world, SALT)
+    stock = dist_checkpointing.load(template(rank, world), path, sharded_strategy=stock_loader())
+    return plain + check(stock, rank, world, SALT)
 
 
 def main(argv: list[str]) -> int:

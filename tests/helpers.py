@@ -11,17 +11,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from megatron.core.package_info import __version__ as MCORE_VERSION
 
-from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, compat
+from fastpersist_dist import FastPersistSaveStrategy, compat
 
 Split = Union[None, int, str, tuple[int, ...]]
 
 # These tests exercise the engine through the native format on either megatron-core;
 # tests/test_torch_dist_format.py covers the torch_dist format and megatron's own loaders.
 NATIVE = "fastpersist"
-# megatron-core 0.17+ has no registry: load() would pick its torch_dist loader unless told.
-LOAD_KW: dict = {} if compat.REGISTRY else {"sharded_strategy": FastPersistLoadStrategy()}
 # megatron-core 0.19's save() passes the common state as one more ShardedObject; earlier ones
 # (0.16-0.18) write common.pt themselves before the strategy runs.
 COMMON_STATE_OBJECT = tuple(int(p) for p in MCORE_VERSION.split(".")[:2]) >= (0, 19)
@@ -49,8 +48,13 @@ def native_strategy(**knobs: object) -> FastPersistSaveStrategy:
 
 
 def load(sharded_state_dict: dict, path: str, **kwargs: object) -> dict:
-    """``dist_checkpointing.load`` of a native checkpoint: by metadata.json on 0.16, our loader named on 0.17+."""
-    return dist_checkpointing.load(sharded_state_dict, path, **{**LOAD_KW, **kwargs})
+    """A plain ``dist_checkpointing.load``: our loader, picked by metadata.json on 0.16, load()'s default on 0.17+."""
+    return dist_checkpointing.load(sharded_state_dict, path, **kwargs)
+
+
+def stock_loader() -> TorchDistLoadShardedStrategy:
+    """megatron's own torch_dist loader, named explicitly: a plain load() uses ours on every stack (``registry``)."""
+    return TorchDistLoadShardedStrategy()
 
 
 def global_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, salt: int = 0) -> torch.Tensor:

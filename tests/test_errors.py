@@ -31,7 +31,7 @@ from fastpersist_dist.index_pages import part_file_name
 from fastpersist_dist.inspect_ckpt import format_report, inspect_checkpoint
 from fastpersist_dist.verify import verify_checkpoint
 
-from .helpers import COMMON_STATE_OBJECT, assert_same, flip_bit, global_tensor, load, save, sharded
+from .helpers import COMMON_STATE_OBJECT, assert_same, flip_bit, global_tensor, load, save, sharded, stock_loader
 from .multiproc import run_ranks
 
 
@@ -208,13 +208,14 @@ def _committed_state(rank: int, world: int, salt: int) -> dict:
     return {"w": sharded("w", global_tensor("w", (4, 4), salt=salt), rank, world, 0), "common": {"step": salt}}
 
 
-def _loaded_both_ways(rank: int, path: str, fmt: str) -> list[dict]:
-    """The checkpoint through our loader and, where megatron picks one by itself, a plain load."""
+def _loaded_every_way(rank: int, path: str, fmt: str) -> list[dict]:
+    """The checkpoint through our loader, a plain load and, for the torch_dist format, megatron's own loader."""
     def request() -> dict:
         return {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4), replica_id=rank)}
-    loaded = [dist_checkpointing.load(request(), path, sharded_strategy=FastPersistLoadStrategy())]
-    if fmt == "torch_dist" or compat.REGISTRY:  # 0.17+ loads the native format only through ours
-        loaded.append(dist_checkpointing.load(request(), path))
+    loaded = [dist_checkpointing.load(request(), path, sharded_strategy=FastPersistLoadStrategy()),
+              dist_checkpointing.load(request(), path)]
+    if fmt == "torch_dist":
+        loaded.append(dist_checkpointing.load(request(), path, sharded_strategy=stock_loader()))
     return loaded
 
 
@@ -224,7 +225,7 @@ def _refused_over_committed(rank: int, world: int, path: str, fmt: str) -> None:
     bad["bad"] = ShardedTensor.from_rank_offsets("cplx", torch.zeros(2, dtype=torch.complex32), replica_id=rank)
     with pytest.raises(CheckpointingException, match="complex32 is not supported"):
         save(bad, path, FastPersistSaveStrategy(fmt), validate=False)  # megatron <= 0.18 wrote common.pt first
-    for loaded in _loaded_both_ways(rank, path, fmt):
+    for loaded in _loaded_every_way(rank, path, fmt):
         assert loaded["common"] == {"step": 1}, loaded["common"]
         assert_same(loaded["w"], global_tensor("w", (4, 4), salt=1), "w")
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
@@ -29,12 +29,12 @@ def _save_model(rank: int, world: int, path: str, strategy: Optional[object] = N
     save(build_model(world, seed=1).sharded_state_dict(), path, strategy=strategy)
 
 
-def _load_model(rank: int, world: int, path: str, plain: bool = False) -> int:
-    """Load into a differently initialized model; ``plain``: megatron's load() with no strategy."""
+def _load_model(rank: int, world: int, path: str, loader: Optional[Callable[[], object]] = None) -> int:
+    """Load into a differently initialized model; ``loader``: makes the load strategy (default: none, a plain load)."""
     model = build_model(world, seed=2)
     reference = build_model(world, seed=1).state_dict()
     assert any(not torch.equal(v, reference[k]) for k, v in model.state_dict().items() if torch.is_tensor(v))
-    loaded = (dist_checkpointing.load if plain else load)(model.sharded_state_dict(), path)
+    loaded = load(model.sharded_state_dict(), path, **({"sharded_strategy": loader()} if loader else {}))
     model.load_state_dict(loaded)
     checked = 0
     for k, v in model.state_dict().items():

@@ -2,7 +2,8 @@
 
 Runs on whichever megatron-core the venv has (0.16.1 or 0.19.2): on 0.17+ it
 is the default format and ``save()`` must keep our strategy; on 0.16 it is
-chosen with ``checkpoint_format="torch_dist"``.
+chosen with ``checkpoint_format="torch_dist"``. megatron's own loader is named
+where it is meant (``stock_loader``): a plain ``load()`` uses ours on 0.17+.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, compat
 from fastpersist_dist.bench.baselines import torch_dist_cpu_shims
 from fastpersist_dist.checkpoint_formats import DCP_METADATA_FILE, TORCH_DIST
-from fastpersist_dist.errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
+from fastpersist_dist.errors import CorruptCheckpointError, IncompleteCheckpointError, SaveFailedError
 from fastpersist_dist.commit import read_index
 from fastpersist_dist.format import COMMON_FILE, INDEX_FILE, aux_copy_name
 from fastpersist_dist.index_pages import part_file_name
 from fastpersist_dist.verify import verify_checkpoint
 
 from .helpers import (COMMON_STATE_OBJECT, NVRX_DIR, assert_same, empty_like_request, flip_bit, global_tensor, make_dir,
-                      megatron_queue, save, sharded)
+                      megatron_queue, save, sharded, stock_loader)
 from .multiproc import run_ranks
 from .test_faults import KILL_AT, KILLABLE, _die_at_file_size, _save_error, run_faulty
 
@@ -91,7 +92,12 @@ def _save(rank: int, world: int, path: str, salt: int = 0) -> None:
     save(state(rank, world, salt), path, strategy=strategy())
 
 
+def _load_stock(rank: int, world: int, path: str, salt: int = 0) -> int:
+    return check(dist_checkpointing.load(template(rank, world), path, sharded_strategy=stock_loader()), rank, world, salt)
+
+
 def _load_plain(rank: int, world: int, path: str, salt: int = 0) -> int:
+    """``load()`` with no strategy: megatron's own loader on 0.16, ours on 0.17+."""
     return check(dist_checkpointing.load(template(rank, world), path), rank, world, salt)
 
 
@@ -123,6 +129,11 @@ def test_files_are_torch_dcp_with_our_sidecar(saved):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_megatron_stock_loader_reads_it_in_any_sharding(saved, world):
+    assert min(run_ranks(world, _load_stock, saved)) > 40
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_plain_load_reads_it(saved, world):
     assert min(run_ranks(world, _load_plain, saved)) > 40
 
 
@@ -151,6 +162,8 @@ def test_verify_and_inspect_know_the_format(saved, tmp_path):
     assert any("checksum mismatch" in p and "__1_0.distcp" in p and "float32.rows" in p for p in problems), problems
     with pytest.raises(AssertionError, match="CorruptCheckpointError: .*checksum mismatch"):
         run_ranks(1, _load_ours, path)
+    with pytest.raises(AssertionError, match="CorruptCheckpointError: .*checksum mismatch"):
+        run_ranks(1, _load_plain, path)  # ours by default too (before: megatron's, checking nothing)
     proc_out = run_ranks(1, _inspect, saved)[0]
     assert "format: torch_dist" in proc_out and "PROBLEM" not in proc_out, proc_out
 
@@ -166,7 +179,7 @@ def test_gpt_model_saved_at_tp2_loads_at_tp1_with_the_stock_loader(tmp_path):
 
     path = str(tmp_path / "gpt")
     run_ranks(2, _save_model, path, strategy())
-    assert run_ranks(1, _load_model, path, True)[0] > 20  # megatron's stock loader
+    assert run_ranks(1, _load_model, path, stock_loader)[0] > 20
 
 
 def _overwrite_and_die(rank: int, world: int, root: str, victim: int):
@@ -186,8 +199,11 @@ def _refused_by_every_loader(rank: int, world: int, path: str) -> list[str]:
         FastPersistLoadStrategy().load(req, path)
     messages.append(str(ours.value))
     with pytest.raises(BaseException) as stock:  # torch DCP's CheckpointException is a BaseException
-        dist_checkpointing.load(req, path)
+        dist_checkpointing.load(req, path, sharded_strategy=stock_loader())
     messages.append(f"{type(stock.value).__name__}: {stock.value}")
+    with pytest.raises(BaseException) as plain:
+        dist_checkpointing.load(req, path)
+    messages.append(f"{type(plain.value).__name__}: {plain.value}")
     return messages
 
 
@@ -199,9 +215,11 @@ def test_resave_killed_half_way_is_refused_by_every_loader(tmp_path):
     ckpt = f"{root}/ckpt"
     # rank 0 wrote its new file, rank 1 died half-way: the old .metadata would mix old and new data.
     assert os.path.exists(os.path.join(ckpt, "metadata.json")) and not os.path.exists(os.path.join(ckpt, DCP_METADATA_FILE))
-    ours, stock = run_ranks(2, _refused_by_every_loader, ckpt)[0]
+    ours, stock, plain = run_ranks(2, _refused_by_every_loader, ckpt)[0]
     assert "this torch_dist checkpoint is incomplete" in ours or "is incomplete" in ours, ours
     assert DCP_METADATA_FILE in stock or "metadata" in stock.lower(), stock
+    # megatron-core 0.19 reads the common state through DCP before asking the loader: its own error, as stock's
+    assert "is incomplete" in plain or DCP_METADATA_FILE in plain, plain
     assert any("incomplete" in p for p in verify_checkpoint(ckpt).problems)
 
 
@@ -227,7 +245,7 @@ def _fully_parallel(rank: int, world: int, path: str) -> int:
     wrapper = FullyParallelSaveStrategyWrapper(strategy())
     make_dir(path)
     dist_checkpointing.save(state(rank, world), path, sharded_strategy=wrapper)
-    return _load_plain(rank, world, path)
+    return _load_stock(rank, world, path)
 
 
 def test_megatron_fully_parallel_wrapper_around_our_strategy(tmp_path):
@@ -250,7 +268,7 @@ def _async_with_megatron_queue(rank: int, world: int, path: str, queue_name: str
         assert not os.path.exists(os.path.join(path, "metadata.json"))  # only finalize writes it
         queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
         queue.close()
-    return _load_plain(rank, world, path)
+    return _load_stock(rank, world, path)
 
 
 @pytest.mark.skipif(compat.REGISTRY, reason="megatron-core 0.16 has no get_async_strategy; its queue is tested in test_async")
@@ -291,12 +309,22 @@ def test_nvrx_queue_without_nvidia_resiliency_ext_fails_before_touching_the_chec
             assert f"rank {rank}: async_strategy='nvrx' cannot be served: ModuleNotFoundError: " in m, m
 
 
-@pytest.mark.skipif(compat.REGISTRY, reason="megatron-core 0.16 has the registry")
-def test_register_explains_that_there_is_no_registry():
+def test_megatron_asks_for_its_default_loader_and_gets_ours(saved, tmp_path):
+    from megatron.core.dist_checkpointing import serialization
+
     from fastpersist_dist import register
 
-    with pytest.raises(FastPersistError, match="no strategy registry.*sharded_strategy=FastPersistSaveStrategy"):
-        register()
+    register()  # again: idempotent
+    assert isinstance(serialization.get_default_load_sharded_strategy(saved), FastPersistLoadStrategy)
+    path = str(tmp_path / "stock")
+    run_ranks(1, _save_stock, path)
+    assert min(run_ranks(2, _load_plain, path)) > 40  # ours hands megatron's own checkpoint to megatron's loader
+
+
+def _save_stock(rank: int, world: int, path: str) -> None:
+    make_dir(path)
+    with torch_dist_cpu_shims():
+        dist_checkpointing.save(state(rank, world), path, sharded_strategy=("torch_dist", 1))
 
 
 def test_default_format_per_stack():

@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
 
@@ -125,13 +126,13 @@ def _fastpersist_async_save(sd: dict, ckpt: str, config: WriteConfig) -> float:
 
 
 def _megatron_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
-    """megatron's plain load(): its stock torch_dist loader (our loader on 0.16 for the native format)."""
+    """megatron's own torch_dist loader, named (a plain load() reads our checkpoints with ours on 0.17+)."""
     with torch_dist_cpu_shims():
-        return dist_checkpointing.load(template, ckpt)
+        return dist_checkpointing.load(template, ckpt, sharded_strategy=TorchDistLoadShardedStrategy())
 
 
 def _fastpersist_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
-    """Our loader, checksums verified (megatron-core 0.17+ must be given it: no registry)."""
+    """Our loader, checksums verified (what a plain load() uses for our checkpoints, except 0.16's torch_dist format)."""
     return dist_checkpointing.load(template, ckpt, sharded_strategy=FastPersistLoadStrategy())
 
 

@@ -18,7 +18,10 @@ from megatron.core.dist_checkpointing.strategies.base import (
     register_default_strategy,
 )
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.dist_checkpointing.strategies import torch as torch_strategies
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+from .. import seams
 
 DEFAULT_FORMAT = "fastpersist"
 # Keyword arguments of megatron's save() for an AsyncRequest that megatron's or our queue runs.
@@ -49,10 +52,40 @@ def stock_load(sharded_state_dict: Any, checkpoint_dir: str, async_strategy: Opt
     return TorchDistLoadShardedStrategy().load(sharded_state_dict, checkpoint_dir)
 
 
-def register(save_strategy: Any, load_strategy: Any, backend: str, version: int) -> None:
-    """Register default save and load strategies for ``(backend, version)``; idempotent."""
-    key = (backend, version)
+# What get_default_strategy() calls before every lookup, re-registering megatron's own torch_dist strategies.
+TORCH_DEFAULTS_SEAM = "register_default_torch_strategies"
+
+
+class _TorchDefaultsThenOurLoader:
+    """megatron's torch_dist registrations, then our loader registered over its torch_dist loader.
+
+    Registering ours once would not last: megatron registers its own again
+    before every lookup. Ours hands checkpoints without our sidecar index
+    (megatron's own) to megatron's loader unchanged.
+    """
+
+    def __init__(self, megatrons: Callable[[], None], load_strategy: Any, backend: str, version: int):
+        self.megatrons, self.load_strategy, self.key = megatrons, load_strategy, (backend, version)
+
+    def __call__(self) -> None:
+        self.megatrons()
+        register_default_strategy(StrategyAction.LOAD_SHARDED, *self.key, self.load_strategy)
+
+
+def register(save_strategy: Any, load_strategy: Any, native: Any, torch_dist: Any) -> None:
+    """Register our save and load strategies for the native format and our loader for torch_dist; idempotent.
+
+    ``native``, ``torch_dist``: the formats (``backend``, ``version``). With
+    the loader registered for both, a plain ``load(sd, dir)`` verifies the
+    checksums of either format.
+    """
+    key = (native.backend, native.version)
     if key not in default_strategies[StrategyAction.SAVE_SHARDED.value]:
-        register_default_strategy(StrategyAction.SAVE_SHARDED, backend, version, save_strategy)
+        register_default_strategy(StrategyAction.SAVE_SHARDED, *key, save_strategy)
     if key not in default_strategies[StrategyAction.LOAD_SHARDED.value]:
-        register_default_strategy(StrategyAction.LOAD_SHARDED, backend, version, load_strategy)
+        register_default_strategy(StrategyAction.LOAD_SHARDED, *key, load_strategy)
+    megatrons = getattr(torch_strategies, TORCH_DEFAULTS_SEAM)
+    if not isinstance(megatrons, _TorchDefaultsThenOurLoader):
+        hook = _TorchDefaultsThenOurLoader(megatrons, load_strategy, torch_dist.backend, torch_dist.version)
+        seams.replace(seams.MEGATRON_CORE, [torch_strategies], {TORCH_DEFAULTS_SEAM: hook}, "as megatron-core 0.16 does")
+        hook()

@@ -2,9 +2,12 @@
 
 ``save()`` silently replaces every strategy that is not a
 ``TorchDistSaveShardedStrategy`` (or the fully-parallel wrapper), so ours
-subclasses it, overriding ``save``/``async_save`` entirely. ``load()`` defaults
-to ``TorchDistLoadShardedStrategy``: the ``torch_dist`` format (DCP files) is
-therefore the default here, so a plain ``load(sd, dir)`` reads our checkpoints.
+subclasses it, overriding ``save``/``async_save`` entirely. ``load()`` builds
+``TorchDistLoadShardedStrategy()`` when given no strategy: the ``torch_dist``
+format (DCP files) is therefore the default here, so that megatron's own
+loader reads our checkpoints, and :func:`register` makes ``load()`` build ours
+instead, which verifies them (and reads the native format) and hands every
+other checkpoint to megatron's.
 Async requests are built by the class ``get_async_strategy`` names for the
 caller's ``async_strategy`` ("mcore" or "nvrx"). Who writes the common state
 is a separate question (``common_pt_by_megatron``, ``common_state_object``).
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
@@ -21,7 +25,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     get_async_strategy,
 )
 
-from ..errors import FastPersistError
+from .. import seams
 
 DEFAULT_FORMAT = "torch_dist"
 # Keyword arguments of megatron's save() for an AsyncRequest that megatron's or our queue runs
@@ -73,10 +77,22 @@ def stock_load(sharded_state_dict: Any, checkpoint_dir: str, async_strategy: Opt
     return TorchDistLoadShardedStrategy().load(sharded_state_dict, checkpoint_dir, async_strategy or "mcore")
 
 
-def register(save_strategy: Any, load_strategy: Any, backend: str, version: int) -> None:
-    """There is no registry to join: say how to use the strategies instead."""
-    raise FastPersistError(
-        "megatron-core 0.17+ has no strategy registry (megatron's save() would silently replace a "
-        f"registered ({backend!r}, {version}) strategy): pass sharded_strategy=FastPersistSaveStrategy() "
-        "to dist_checkpointing.save; its default torch_dist format loads with a plain dist_checkpointing.load"
-    )
+# The name megatron-core's load(), load_tensors_metadata(), load_sharded_metadata() and
+# get_default_load_sharded_strategy() build their default loader by, in serialization.py (0.17.1-0.19.2).
+DEFAULT_LOADER_SEAM = "TorchDistLoadShardedStrategy"
+
+
+def register(save_strategy: Any, load_strategy: Any, native: Any, torch_dist: Any) -> None:
+    """Make ``load()`` with no strategy use ``load_strategy``; there is no registry for ``save_strategy``.
+
+    As with the loaders registered on 0.16, a plain ``load(sd, dir)`` verifies
+    the checksums of our checkpoints and reads the native format too (megatron's
+    own loader checks nothing, and cannot read the native format). Ours hands a
+    torch DCP checkpoint without our sidecar index (megatron's own, any DCP
+    writer's) to megatron's loader unchanged. ``save()`` replaces any strategy
+    that is not a ``TorchDistSaveShardedStrategy``, a ``(backend, version)``
+    tuple included, so ours is passed as an instance. Idempotent.
+    """
+    del save_strategy, native, torch_dist
+    seams.replace(seams.MEGATRON_CORE, [serialization], seams.factories({DEFAULT_LOADER_SEAM: load_strategy}),
+                  "as megatron-core 0.17.1-0.19.2 do")
