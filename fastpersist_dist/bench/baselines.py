@@ -126,13 +126,13 @@ def _fastpersist_async_save(sd: dict, ckpt: str, config: WriteConfig) -> float:
 
 
 def _megatron_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
-    """megatron's own torch_dist loader, named (a plain load() reads our checkpoints with ours on 0.17+)."""
+    """megatron's own torch_dist loader, named (a plain load() reads our checkpoints with ours)."""
     with torch_dist_cpu_shims():
         return dist_checkpointing.load(template, ckpt, sharded_strategy=TorchDistLoadShardedStrategy())
 
 
 def _fastpersist_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
-    """Our loader, checksums verified (what a plain load() uses for our checkpoints, except 0.16's torch_dist format)."""
+    """Our loader, checksums verified: what a plain load() uses for our checkpoints of either format."""
     return dist_checkpointing.load(template, ckpt, sharded_strategy=FastPersistLoadStrategy())
 
 
