@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from megatron.core import dist_checkpointing
-
-from .helpers import save, stock_loader
+from .helpers import save
 from .multiproc import run_ranks
-from .test_torch_dist_format import check, state, strategy, template
+from .test_torch_dist_format import _load_plain, _load_stock, state, strategy
 
 SALT = 7
 
@@ -23,9 +21,7 @@ def _save(rank: int, world: int, path: str) -> None:
 
 
 def _load(rank: int, world: int, path: str) -> int:
-    plain = check(dist_checkpointing.load(template(rank, world), path), rank, world, SALT)
-    stock = dist_checkpointing.load(template(rank, world), path, sharded_strategy=stock_loader())
-    return plain + check(stock, rank, world, SALT)
+    return _load_plain(rank, world, path, SALT) + _load_stock(rank, world, path, SALT)
 
 
 def main(argv: list[str]) -> int:

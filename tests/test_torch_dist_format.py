@@ -3,7 +3,7 @@
 Runs on whichever megatron-core the venv has (0.16.1 or 0.19.2): on 0.17+ it
 is the default format and ``save()`` must keep our strategy; on 0.16 it is
 chosen with ``checkpoint_format="torch_dist"``. megatron's own loader is named
-where it is meant (``stock_loader``): a plain ``load()`` uses ours on 0.17+.
+where it is meant (``stock_loader``): a plain ``load()`` uses ours.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _load_stock(rank: int, world: int, path: str, salt: int = 0) -> int:
 
 
 def _load_plain(rank: int, world: int, path: str, salt: int = 0) -> int:
-    """``load()`` with no strategy: megatron's own loader on 0.16, ours on 0.17+."""
+    """``load()`` with no strategy: ours on every stack (``registry``)."""
     return check(dist_checkpointing.load(template(rank, world), path), rank, world, salt)
 
 

@@ -29,8 +29,8 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
             stock loader and ``torch.distributed.checkpoint`` read, plus our
             checksum sidecar) or ``"fastpersist"`` (our native format, read by
             :class:`FastPersistLoadStrategy`, which a plain ``load()`` uses
-            for both formats on 0.17+ and for this one on 0.16). Default:
-            ``"torch_dist"`` on megatron-core 0.17+, ``"fastpersist"`` on 0.16.
+            for both formats). Default: ``"torch_dist"`` on megatron-core
+            0.17+, ``"fastpersist"`` on 0.16.
         write_common_pt: on megatron-core 0.19+ (whose ``save()`` hands the
             common state to the strategy), also commit it as ``common.pt``, so
             megatron-core 0.16 to 0.18 can load a torch_dist checkpoint too (the
