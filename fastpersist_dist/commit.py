@@ -75,8 +75,8 @@ logger = logging.getLogger(__name__)
 TMP_SUFFIX = ".fastpersist.tmp"  # atomic_write's temp files: only ours are removed when overwriting
 
 
-def fsync_dir(path: str) -> None:
-    """Make renames and new entries in ``path`` durable."""
+def fsync_path(path: str) -> None:
+    """Make ``path`` durable: a file's bytes, or a directory's renames and new entries."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -96,7 +96,7 @@ def atomic_write(path: str, data: bytes) -> None:
     except BaseException:
         _unlink_quietly(tmp)  # e.g. a full disk: leave no half-written temp file behind
         raise
-    fsync_dir(os.path.dirname(path) or ".")
+    fsync_path(os.path.dirname(path) or ".")
 
 
 def _unlink_quietly(path: str) -> None:
@@ -207,12 +207,12 @@ def invalidate(checkpoint_dir: str) -> None:
     for marker in removed:
         os.unlink(os.path.join(checkpoint_dir, marker))
     if removed:
-        fsync_dir(checkpoint_dir)
+        fsync_path(checkpoint_dir)
         logger.debug("fastpersist: overwriting the checkpoint in %s; removed %s first", checkpoint_dir, removed)
     for name in os.listdir(checkpoint_dir):
         if is_data_file(name) or PART_FILE_RE.match(name) or STATUS_FILE_RE.match(name) or name.endswith(TMP_SUFFIX):
             os.unlink(os.path.join(checkpoint_dir, name))
-    fsync_dir(checkpoint_dir)
+    fsync_path(checkpoint_dir)
 
 
 def write_status(checkpoint_dir: str, rank: int, result: Optional[WriteResult], error: Optional[BaseException]) -> None:

@@ -8,12 +8,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from fastpersist_dist.bench import training_loop
-from fastpersist_dist.bench.gpt_state import GptShape
-from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed, balanced_order, on_ranks
+from fastpersist_dist.bench.baselines import CHECKSUMMED_BOUND, CONTENDERS
+from fastpersist_dist.bench.gpt_state import GptShape, gpt_sharded_state_dict
+from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed, balanced_order, init_rank, on_ranks
 from fastpersist_dist.bench.sweep import SEARCH, format_sweep
 from fastpersist_dist.bench.training_loop import DEFAULT_LOOP_CONTENDERS, LoopConfig
 from fastpersist_dist.config import WriteConfig
@@ -66,6 +68,7 @@ def test_bench_command_tiny(tmp_path):
     assert all(r["save"]["cpu_s_per_gib"] > 0 for r in rows.values())
     assert "CPU s/GiB" in proc.stdout
     assert "reshard" not in rows["device_bound"] and rows["device_bound"]["save"]["x_device"] == 1.0
+    assert "reshard" not in rows["device_bound_checksummed"] and rows["device_bound_checksummed"]["load"]["x_device"] > 0
     assert rows["torch_dist"]["save"]["x_torch_dist"] == 1.0 and rows["fastpersist"]["reshard"]["x_torch_dist"] > 0
     per_rank = rows["fastpersist"]["bytes_per_rank"]
     assert len(per_rank) == 2 and min(per_rank) > 0  # TP=1: all replicated, both ranks write a share
@@ -140,6 +143,29 @@ def test_bench_train_command_writes_json(tmp_path):
     assert rows["fastpersist"]["call_s"] is None and rows["fastpersist"]["first_call_s"] > 0  # one save: no later call
     assert rows["fastpersist"]["durable_s"] > 0 and rows["fastpersist"]["sync_s"] > 0
     assert "slowdown" in proc.stdout and "fastpersist" in proc.stdout
+
+
+def _checksummed_bound_on_flipped_byte(rank: int, directory: str, port: int) -> str:
+    """The checksummed bound's write, one byte of its file flipped, then its read (which must refuse it)."""
+    init_rank(rank, 1, port)
+    sd = gpt_sharded_state_dict(GptShape.for_bytes(8 << 20, 1), 1, rank, 1)
+    bound = CONTENDERS[CHECKSUMMED_BOUND]
+    config = WriteConfig(io_buffer_mb=2)  # several chunks per file, read in alternate halves
+    bound.save(sd, directory, config)
+    assert bound.load(sd, directory, config) == {}  # read back intact: the digests match
+    path = next(p for p in Path(directory).iterdir() if p.suffix == ".bin")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(OSError) as err:
+        bound.load(sd, directory, config)
+    return str(err.value)
+
+
+def test_checksummed_bound_hashes_every_byte_it_writes_and_reads(tmp_path):
+    """The ceiling of a checksumming writer really hashes all it moves: a flipped byte fails its read."""
+    (message,) = on_ranks(1, _checksummed_bound_on_flipped_byte, str(tmp_path))
+    assert "other checksums" in message and "bound00000.bin" in message
 
 
 def _burn_cpu(seconds: float) -> None:
