@@ -21,8 +21,8 @@ Exit codes: 0 success, 1 the checkpoint has problems, 2 bad arguments or an
 unusable directory."""
 
 # Contenders of `bench` in table order (fastpersist_dist.bench.baselines.CONTENDERS implements them)
-DEFAULT_CONTENDERS = ("device_bound", "device_bound_checksummed", "fastpersist", "fastpersist_async", "fastpersist_dcp", "torch_dist",
-                      "torch_dist_fully_parallel", "torch_save")
+DEFAULT_CONTENDERS = ("device_bound", "device_bound_checksummed", "fastpersist", "fastpersist_async", "fastpersist_dcp",
+                      "torch_dist", "torch_dist_fully_parallel", "torch_save")
 CONTENDER_NAMES = DEFAULT_CONTENDERS + ("fastpersist_unbalanced", "fastpersist_unshared", "fastpersist_dcp_ours", "fastpersist_dcp_fully_parallel")
 
 

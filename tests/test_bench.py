@@ -68,7 +68,8 @@ def test_bench_command_tiny(tmp_path):
     assert all(r["save"]["cpu_s_per_gib"] > 0 for r in rows.values())
     assert "CPU s/GiB" in proc.stdout
     assert "reshard" not in rows["device_bound"] and rows["device_bound"]["save"]["x_device"] == 1.0
-    assert "reshard" not in rows["device_bound_checksummed"] and rows["device_bound_checksummed"]["load"]["x_device"] > 0
+    checksummed = rows["device_bound_checksummed"]
+    assert "reshard" not in checksummed and checksummed["save"]["x_device"] > 0 and checksummed["load"]["x_device"] > 0
     assert rows["torch_dist"]["save"]["x_torch_dist"] == 1.0 and rows["fastpersist"]["reshard"]["x_torch_dist"] > 0
     per_rank = rows["fastpersist"]["bytes_per_rank"]
     assert len(per_rank) == 2 and min(per_rank) > 0  # TP=1: all replicated, both ranks write a share

@@ -201,8 +201,9 @@ def _device_bound_read(template: dict, ckpt: str, config: WriteConfig) -> dict:
     return {}
 
 
-def _wait_one(res: AioResources, what: str, path: str, offset: int) -> None:
-    if res.handle.wait() != 1:
+def _wait_one(res: AioResources, submitted: int, what: str, path: str, offset: int) -> None:
+    """Wait for the one aio request just submitted (``submitted``: what submitting it returned)."""
+    if submitted != 0 or res.handle.wait() != 1:
         raise OSError(f"aio {what} of {path} at {offset} failed")
 
 
@@ -214,24 +215,25 @@ def _checksummed_bound_write(sd: dict, ckpt: str, config: WriteConfig) -> None:
     """The device bound's writes, each chunk hashed (XXH3, our checksum blocks) while its aio write is in flight.
 
     The least a writer that checksums every byte must do: no copy, no framing,
-    the hash overlapped with the device. Where the bound is CPU-bound (tmpfs on
-    few cores) the hash cannot hide there either. The digests go beside the file
-    for the read to verify.
+    the hash overlapped with the device. Where the CPU outpaces the device the
+    hash hides behind the aio; where the bound itself keeps the cores busy
+    (tmpfs on few cores) it cannot, for any writer. The digests go beside the
+    file for the read to verify.
     """
     res = aio_resources(config.aio)
     path, align = _bound_file(ckpt), res.handle.get_alignment()
     hasher = BlockHasher(config.checksum_block_bytes)
     for offset, chunk in _chunks(_share(sd), res.buffer, align):
-        res.handle.async_pwrite(chunk, path, offset)
+        submitted = res.handle.async_pwrite(chunk, path, offset)
         hasher.update(chunk.numpy())  # xxhash releases the GIL: the aio threads write meanwhile
-        _wait_one(res, "write", path, offset)
+        _wait_one(res, submitted, "write", path, offset)
     fsync_path(path)
     with open(_digests_file(ckpt), "w") as f:
         json.dump(hasher.finish(), f)
 
 
 def _checksummed_bound_read(template: dict, ckpt: str, config: WriteConfig) -> dict:
-    """The bound's reads into alternate halves of the locked buffer, each half hashed while the next is read; verified."""
+    """The bound's reads into alternate halves of the locked buffer, each hashed while the next is read; verified."""
     res = aio_resources(config.aio)
     path, align = _bound_file(ckpt), res.handle.get_alignment()
     halves = res.buffer.chunk(2)
@@ -239,10 +241,10 @@ def _checksummed_bound_read(template: dict, ckpt: str, config: WriteConfig) -> d
     previous: Optional[torch.Tensor] = None
     for i, (offset, chunk) in enumerate(_chunks(os.path.getsize(path), halves[0], align)):
         dest = halves[i % 2][: chunk.numel()]
-        res.handle.async_pread(dest, path, offset)
+        submitted = res.handle.async_pread(dest, path, offset)
         if previous is not None:
             hasher.update(previous.numpy())
-        _wait_one(res, "read", path, offset)
+        _wait_one(res, submitted, "read", path, offset)
         previous = dest
     if previous is not None:
         hasher.update(previous.numpy())
