@@ -117,8 +117,12 @@ def test_training_loop_benchmark_tiny(tmp_path):
         assert r["durable_s"] > 0 and r["extra_gib"] >= 0 and "slowdown_pct" in r, r
     # ours holds a snapshot buffer per save in flight and its writer process: more than nothing
     assert rows["fastpersist"]["extra_gib"] > 0
+    # the copy floor of our calls: a rank's data file copied at once by every rank, set against our sync saves
+    assert report["copy_floor_bytes"] >= report["bytes"] // 2 and report["copy_floor_s"] > 0
+    assert all(rows[n]["copy_floor_pct"] > 0 for n in ("fastpersist", "fastpersist_megatron_queue"))
+    assert "copy_floor_pct" not in rows["torch_dist"]
     table = training_loop.format_loop_table(report)
-    assert all(name in table for name in rows) and "slowdown" in table
+    assert all(name in table for name in rows) and "slowdown" in table and "copy floor:" in table
     assert not list((tmp_path / "t").iterdir())  # every checkpoint removed
 
 
@@ -143,6 +147,7 @@ def test_bench_train_command_writes_json(tmp_path):
     assert list(rows) == ["none", "fastpersist"] and report["save_steps"] == [2]
     assert rows["fastpersist"]["call_s"] is None and rows["fastpersist"]["first_call_s"] > 0  # one save: no later call
     assert rows["fastpersist"]["durable_s"] > 0 and rows["fastpersist"]["sync_s"] > 0
+    assert report["copy_floor_s"] > 0 and "copy floor:" in proc.stdout
     assert "slowdown" in proc.stdout and "fastpersist" in proc.stdout
 
 

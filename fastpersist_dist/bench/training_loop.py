@@ -12,6 +12,10 @@ so with one step's resolution); and the extra host memory of the rank (its
 processes' memory above what the rank held before any checkpoint, sampled at
 every step of one more loop per contender, in fresh rank processes: in the
 timed run, a contender would reuse the heap that the one before it left).
+Beside them, in the same run, the copy floor of our call: every rank copying
+as many bytes as its data file holds (its snapshot and a few KiB of framing)
+into mapped shared memory at the same instant, the least that a call which
+copies the state can block.
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ from megatron.core import dist_checkpointing
 from .. import compat
 from ..async_queue import AsyncSaveQueue
 from ..commit import prepare_checkpoint_dir
+from ..storage.shared_memory import SharedBuffer
 from ..strategies.fastpersist_save import FastPersistSaveStrategy
 from ..writer_process import writer_client
 from .baselines import SHIM_NOTE, torch_dist_cpu_shims
 from .gpt_state import GptShape, gpt_sharded_state_dict
-from .runner import GiB, BenchConfig, _over_ranks, balanced_order, init_rank, on_ranks
+from .runner import GiB, BenchConfig, _bytes_per_rank, _over_ranks, balanced_order, init_rank, on_ranks
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,15 @@ WHAT = {
 DEFAULT_LOOP_CONTENDERS = ("none", "torch_dist", "fastpersist_megatron_queue", "fastpersist")
 
 
+@dataclass(frozen=True)
+class CopyFloor:
+    """:func:`copy_floor_s` of the largest snapshot of a rank, and the contenders whose snapshot that is."""
+
+    nbytes: int
+    seconds: float
+    contenders: tuple[str, ...]
+
+
 @dataclass
 class LoopRun:
     """One repetition of one contender on one rank (seconds; bytes)."""
@@ -263,6 +277,28 @@ def timed_sync_save(cp: _Checkpointer, sd: dict, root: str) -> float:
         return time.perf_counter() - start
 
 
+def copy_floor_s(nbytes: int, reps: int = 3) -> float:
+    """Collective: seconds for every rank to copy ``nbytes`` into mapped shared memory at the same instant.
+
+    What our async call does at least (its copy into the reused snapshot
+    buffer, without describing, planning or megatron's own steps): median of
+    ``reps`` copies, slowest rank. Source and destination pages are touched first.
+    """
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    buffer = SharedBuffer(nbytes)
+    times = []
+    try:
+        buffer.tensor.copy_(source)
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            buffer.tensor.copy_(source)
+            times.append(time.perf_counter() - start)
+    finally:
+        buffer.close()
+    return _over_ranks(statistics.median(times))
+
+
 def _fresh_root(rank: int, root: str) -> None:
     """An empty ``root`` (made by rank 0), once every rank is here."""
     if rank == 0:
@@ -296,8 +332,10 @@ def _memory_probe(rank: int, cfg: LoopConfig, name: str, port: int) -> int:
     return int(_over_ranks(float(run.extra_bytes)))
 
 
-def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: int) -> tuple[int, dict]:
+def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...],
+               port: int) -> tuple[int, dict, Optional[CopyFloor]]:
     b = cfg.bench
+    snapshot_bytes = 0  # this rank's data file in our synchronous save: its snapshot and their framing
     shape, sd, tensors = _trainer(rank, b, port)
     FastPersistSaveStrategy(config=b.write).load_ops()  # at start-up, as docs/async.md advises
     checkpointers = {name: CHECKPOINTERS[name](b) for name in contenders}
@@ -312,13 +350,17 @@ def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...], port: in
             run = run_loop(cp, sd, tensors, cfg, root)
             if cp.checkpoints and cfg.save_steps:
                 run.sync_s = timed_sync_save(cp, sd, root)
+                if cp.uses_writer:
+                    snapshot_bytes = _bytes_per_rank(os.path.join(root, "sync"))[rank]
             dist.barrier()
             _remove(root)
             runs[name].append(_slowest(run))
             if rank == 0:
                 print(f"bench-train: {name} {rep + 1}/{b.reps}: loop {runs[name][-1].loop_s:.2f} s",
                       file=sys.stderr, flush=True)
-    return shape.total_bytes(), runs
+    ours = tuple(name for name, cp in checkpointers.items() if cp.uses_writer)
+    floor = CopyFloor(int(_over_ranks(snapshot_bytes)), copy_floor_s(snapshot_bytes), ours) if ours else None
+    return shape.total_bytes(), runs, floor
 
 
 def _slowest(run: LoopRun) -> LoopRun:
@@ -339,22 +381,24 @@ def run(cfg: LoopConfig, contenders: tuple[str, ...] = DEFAULT_LOOP_CONTENDERS,
     progress(f"bench-train: {b.ranks} ranks (TP={b.tp}), {shape.total_bytes() / GiB:.2f} GiB state, {cfg.steps} "
              f"steps, async checkpoint at steps {cfg.save_steps}, {b.reps} reps of {', '.join(contenders)} "
              f"in {b.directory}")
-    nbytes, runs = on_ranks(b.ranks, _rank_main, cfg, contenders)[0]
+    nbytes, runs, floor = on_ranks(b.ranks, _rank_main, cfg, contenders)[0]
     memory: dict[str, int] = {}
     for name in contenders:
         if name != "none":
             progress(f"bench-train: {name}: host memory, one loop in fresh processes")
             memory[name] = on_ranks(b.ranks, _memory_probe, cfg, name)[0]
-    return report(cfg, nbytes, runs, memory)
+    return report(cfg, nbytes, runs, memory, floor)
 
 
 def _med(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory: dict[str, int]) -> dict:
-    """Medians over repetitions of the slowest rank's figures, the slowdown against the plain loop, and
-    ``memory``: each contender's peak extra host memory per rank (bytes, largest rank)."""
+def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory: dict[str, int],
+           floor: Optional[CopyFloor] = None) -> dict:
+    """Medians over repetitions of the slowest rank's figures, the slowdown against the plain loop,
+    ``memory``: each contender's peak extra host memory per rank (bytes, largest rank), and the copy
+    floor of our calls, if one of ours ran."""
     reference = _med([r.loop_s for r in runs["none"]]) if "none" in runs else None
     rows = []
     for name, reps in runs.items():
@@ -376,10 +420,13 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory:
                 row["first_call_pct"] = 100 * row["first_call_s"] / sync if row["first_call_s"] else None
                 row["call_pct"] = 100 * row["call_s"] / sync if row["call_s"] is not None else None
                 row["durable_x_sync"] = row["durable_s"] / sync if row["durable_s"] else None
+                if floor and name in floor.contenders:
+                    row["copy_floor_pct"] = 100 * floor.seconds / sync
         rows.append(row)
     notes = [] if torch.cuda.is_available() else [SHIM_NOTE]
     return {"ranks": cfg.bench.ranks, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
             "save_steps": cfg.save_steps, "reps": cfg.bench.reps, "directory": cfg.bench.directory,
+            "copy_floor_bytes": floor.nbytes if floor else None, "copy_floor_s": floor.seconds if floor else None,
             "rows": rows, "notes": notes}
 
 
@@ -410,6 +457,11 @@ def format_loop_table(rep: dict) -> str:
             f"{_f(r.get('durable_x_sync'), '.2f') + 'x':>9}{_f(r['extra_gib'], '.2f'):>15}"
         )
     lines.extend(f"  {r['name']}: {r['what']}" for r in rep["rows"])
+    if rep.get("copy_floor_s") is not None:
+        shares = ", ".join(f"{r['name']} {r['copy_floor_pct']:.0f}%" for r in rep["rows"] if "copy_floor_pct" in r)
+        lines.append(f"copy floor: {rep['copy_floor_s']:.3f} s for every rank to copy its snapshot's "
+                     f"{rep['copy_floor_bytes'] / GiB:.3f} GiB into mapped shared memory at once (the least our call "
+                     f"can block); of the sync save: {shares}")
     lines.extend(f"note: {n}" for n in rep["notes"])
     return "\n".join(lines)
 
