@@ -10,7 +10,7 @@ state is timed, then an async save into another directory, from the call until
 while the loop steps: ``sleep`` (50 ms asleep: nothing competes with the
 writer), ``spin`` (50 ms of busy CPU, no memory traffic) or ``memory`` (the
 benchmark's in-place update of the whole state, as in ``bench-train``).
-Prints the medians (rank 0), which tell the writer's own delay (``sleep``) from
+Prints rank 0's medians, which tell the writer's own delay (``sleep``) from
 what competition for the cores and the memory adds.
 """
 
@@ -19,19 +19,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import time
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing
 
 from fastpersist_dist import ASYNC_SAVE_KWARGS, AsyncSaveQueue, FastPersistSaveStrategy, prepare_checkpoint_dir
-from fastpersist_dist.bench.gpt_state import GptShape, gpt_sharded_state_dict
-from fastpersist_dist.bench.runner import init_rank
-from fastpersist_dist.bench.training_loop import train_step
+from fastpersist_dist.bench.runner import BenchConfig, on_ranks
+from fastpersist_dist.bench.training_loop import _trainer, train_step
 
 STEP_S = 0.05
 
@@ -42,11 +38,9 @@ def _spin() -> None:
         pass
 
 
-def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
-    init_rank(rank, 2, port)
-    sd = gpt_sharded_state_dict(GptShape.for_bytes(int(args.gib * (1 << 30)), 2), 2, rank, 2, torch.device("cpu"))
-    tensors = [sh.data for sh in sd.values()]
-    train_step(tensors)
+def _rank(rank: int, args: argparse.Namespace, port: int) -> dict[str, list[float]]:
+    """This rank's seconds: synchronous saves, and durable beside each loop kind."""
+    _, sd, tensors = _trainer(rank, BenchConfig(ranks=2, tp=2, gib=args.gib), port)
     FastPersistSaveStrategy().load_ops(sd)
     loops = {"sleep": lambda: time.sleep(STEP_S), "spin": _spin, "memory": lambda: train_step(tensors)}
     queue, times = AsyncSaveQueue(), {name: [] for name in ("sync", *loops)}
@@ -69,16 +63,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
                     break
             times[name].append(time.perf_counter() - start)
     queue.close()
-    if rank == 0:
-        sync = statistics.median(times["sync"])
-        print(f"synchronous save: median {sync:.3f} s of {len(times['sync'])}")
-        for name in loops:
-            durable = statistics.median(times[name])
-            print(f"durable beside a '{name}' loop: median {durable:.3f} s ({durable / sync:.2f}x the synchronous "
-                  f"save), each {', '.join(f'{t:.2f}' for t in times[name])}")
-        shutil.rmtree(args.dir, ignore_errors=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    return times
 
 
 def main() -> None:
@@ -88,10 +73,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port, args), nprocs=2)
+    times = on_ranks(2, _rank, args)[0]
+    shutil.rmtree(args.dir, ignore_errors=True)
+    sync = statistics.median(times.pop("sync"))
+    print(f"synchronous save: median {sync:.3f} s of {args.reps * len(times)}")
+    for name, seconds in times.items():
+        durable = statistics.median(seconds)
+        print(f"durable beside a '{name}' loop: median {durable:.3f} s ({durable / sync:.2f}x the synchronous "
+              f"save), each {', '.join(f'{t:.2f}' for t in seconds)}")
 
 
 if __name__ == "__main__":
