@@ -32,6 +32,7 @@ from .format import ShardRecord
 from .per_process import PerProcess
 from .plan import PlanCache, PlanError, place_in_rank_file
 from .staging import SnapshotPool, StagedShard, assign, stage, to_elements
+from .storage import host_copy
 from .storage.writer import WriteItem, preload_ops
 from .timing import Phases
 from .writer_process import WriterJob, describe_items, write_in_writer, writer_client
@@ -119,12 +120,13 @@ class SaveEngine:
         self.group = group  # ranks that exchange shard lists and plan together (None: the world)
 
     def load_ops(self) -> None:
-        """Load DeepSpeed's native ops here; start the rank's writer process and wait until it serves with
-        this configuration's aio handle and bounce buffer.
+        """Load DeepSpeed's native ops and the snapshot's streaming copy here; start the rank's writer process
+        and wait until it serves with this configuration's aio handle and bounce buffer.
 
         Seconds, once per process; without it the first async save becomes durable that much later.
         """
         preload_ops(self.config)
+        host_copy.prepare()
         writer_client().wait_ready(self.config)
 
     @property

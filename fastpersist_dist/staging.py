@@ -15,6 +15,8 @@ says (they are arbitrary Python objects; tensor data never goes this way).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -30,8 +32,11 @@ from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from .checkpoint_formats import CheckpointFormat
 from .errors import FastPersistError
 from .format import KIND_OBJECT, KIND_TENSOR, ShardRecord, dtype_name
+from .storage.host_copy import copy_to_host
 from .storage.shared_memory import SharedBuffer
 from .timing import Phases
+
+logger = logging.getLogger(__name__)
 
 Sharded = Union[ShardedTensor, ShardedObject]
 
@@ -165,6 +170,7 @@ class SnapshotPool:
 
     def __init__(self, on_new: Callable[[SharedBuffer], None], on_drop: Callable[[SharedBuffer], None]) -> None:
         self._free: Optional[Lease] = None
+        self._leased = 0  # buffers of saves not yet finalized
         self._on_new, self._on_drop = on_new, on_drop
 
     def snapshot(self, staged: list[StagedShard], phases: Optional[Phases] = None) -> Lease:
@@ -176,19 +182,30 @@ class SnapshotPool:
         phases = phases or Phases()
         tensors, signature, offsets, total = self._layout(staged)
         on_device = any(s.data.device.type != "cpu" for s in tensors)
+        start = time.perf_counter()
         buffer, new = self._acquire(signature, total, pinned=on_device)
         phases.mark("buffer")
+        if new and self._leased:
+            logger.info("fastpersist: this async save allocated a snapshot buffer of %.2f GiB (%.2f s of its call) "
+                        "because %d earlier one(s) still hold theirs: finalize each save before the next one "
+                        "(checkpoint less often than a save takes to become durable) to reuse one buffer",
+                        total / (1 << 30), time.perf_counter() - start, self._leased)
         for s, off in zip(tensors, offsets):
             dest = buffer.tensor[off : off + s.record.length]
             if s.record.length:
                 source = _elements(s)
-                dest.view(source.dtype).view(source.shape).copy_(source, non_blocking=on_device)
+                target = dest.view(source.dtype).view(source.shape)
+                if source.device.type == "cpu":
+                    copy_to_host(target, source)
+                else:
+                    target.copy_(source, non_blocking=True)
             s.data = dest
         if on_device:
             torch.accelerator.synchronize()
         phases.mark("copy")
         if new:  # after the copy: the writer maps (and faults in) the pages while training goes on
             self._on_new(buffer)
+        self._leased += 1
         return signature, buffer
 
     def reserve(self, staged: list[StagedShard]) -> None:
@@ -202,7 +219,7 @@ class SnapshotPool:
         buffer, new = self._acquire(signature, total, pinned=on_device)
         if new:
             self._on_new(buffer)
-        self.release((signature, buffer))
+        self._keep((signature, buffer))
 
     def _layout(self, staged: list[StagedShard]) -> tuple[list[StagedShard], tuple, list[int], int]:
         """The tensor records, the structure's signature, each one's offset in the buffer, the buffer's size."""
@@ -217,6 +234,11 @@ class SnapshotPool:
 
     def release(self, lease: Lease) -> None:
         """Take back a buffer whose bytes are written (called at finalize); keep the latest one."""
+        self._leased -= 1
+        self._keep(lease)
+
+    def _keep(self, lease: Lease) -> None:
+        """Make ``lease`` the free buffer (the latest one is kept: the next save most likely has its structure)."""
         if self._free is not None and self._free[1] is not lease[1]:
             self._drop(self._free[1])
         self._free = lease

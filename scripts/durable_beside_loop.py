@@ -62,6 +62,10 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> dict[str, list[floa
                 if queue.maybe_finalize(blocking=False):
                     break
             times[name].append(time.perf_counter() - start)
+            dist.barrier()
+            if rank == 0:  # on /dev/shm, kept checkpoints would take the machine's memory
+                for path in (sync_dir, async_dir):
+                    shutil.rmtree(path)
     queue.close()
     return times
 

@@ -6,7 +6,7 @@
 Per repetition: allocating and mapping a snapshot buffer of that size (a new
 ``SharedBuffer``: what the first async save call of a process does unless
 ``load_ops(sd)`` ran), then copying a tensor of that size into it twice (the
-second is the steady-state call's floor: a memcpy into mapped memory), on one
+second is the steady-state call's floor: the call's streaming copy into mapped memory), on one
 thread. Then, with ``--ranks N``, N processes copy their own tensor into their
 own buffer at the same instants, as N ranks of one host do in an async save
 call (they share the memory bandwidth). Last, one writer process is started
@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from fastpersist_dist.storage.host_copy import copy_to_host
 from fastpersist_dist.storage.shared_memory import SharedBuffer
 from fastpersist_dist.writer_process import writer_client
 
@@ -38,11 +39,11 @@ def _copier(nbytes: int, reps: int, barrier: mp.synchronize.Barrier, out: mp.Que
     source = torch.randn(nbytes // 4)
     buffer = SharedBuffer(nbytes)
     dest = buffer.tensor.view(torch.float32)
-    dest.copy_(source)
+    copy_to_host(dest, source)
     times = []
     for _ in range(reps):
         barrier.wait()
-        times.append(_timed(lambda: dest.copy_(source)))
+        times.append(_timed(lambda: copy_to_host(dest, source)))
     out.put(statistics.median(times))
 
 
@@ -71,7 +72,7 @@ def main() -> None:
     for rep in range(args.reps):
         buffers: list[SharedBuffer] = []
         alloc = _timed(lambda: buffers.append(SharedBuffer(nbytes)))
-        first, again = (_timed(lambda: buffers[0].tensor.view(torch.float32).copy_(source)) for _ in range(2))
+        first, again = (_timed(lambda: copy_to_host(buffers[0].tensor.view(torch.float32), source)) for _ in range(2))
         print(f"rep {rep + 1}: {nbytes / (1 << 30):.2f} GiB buffer allocated+mapped {alloc:.3f} s; "
               f"copy into it {first:.3f} s, again {again:.3f} s ({nbytes / again / (1 << 30):.1f} GiB/s)")
         buffers[0].close()

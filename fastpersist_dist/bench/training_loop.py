@@ -36,6 +36,7 @@ from megatron.core import dist_checkpointing
 from .. import compat
 from ..async_queue import AsyncSaveQueue
 from ..commit import prepare_checkpoint_dir
+from ..storage.host_copy import copy_to_host
 from ..storage.shared_memory import SharedBuffer
 from ..strategies.fastpersist_save import FastPersistSaveStrategy
 from ..writer_process import writer_client
@@ -281,18 +282,19 @@ def copy_floor_s(nbytes: int, reps: int = 3) -> float:
     """Collective: seconds for every rank to copy ``nbytes`` into mapped shared memory at the same instant.
 
     What our async call does at least (its copy into the reused snapshot
-    buffer, without describing, planning or megatron's own steps): median of
-    ``reps`` copies, slowest rank. Source and destination pages are touched first.
+    buffer, without describing, planning or megatron's own steps, by the same
+    :func:`copy_to_host`): median of ``reps`` copies, slowest rank. Source and
+    destination pages are touched first.
     """
     source = torch.ones(nbytes, dtype=torch.uint8)
     buffer = SharedBuffer(nbytes)
     times = []
     try:
-        buffer.tensor.copy_(source)
+        copy_to_host(buffer.tensor, source)
         for _ in range(reps):
             dist.barrier()
             start = time.perf_counter()
-            buffer.tensor.copy_(source)
+            copy_to_host(buffer.tensor, source)
             times.append(time.perf_counter() - start)
     finally:
         buffer.close()
