@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import zlib
@@ -150,6 +151,18 @@ def proc_status_kib(field: str, pid: Union[int, str] = "self") -> int:
     """A ``kB`` field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``, ``VmLck``...), in KiB."""
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def logged(name: str = "fastpersist_dist", level: Optional[int] = None) -> list[logging.LogRecord]:
+    """Every record logged to ``name`` (and below) in this process from now on; ``level`` also sets the logger's."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    if level is not None:
+        logger.setLevel(level)
+    return records
 
 
 def make_dir(path: str) -> None:

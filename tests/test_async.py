@@ -23,7 +23,7 @@ from fastpersist_dist.format import INDEX_FILE
 from fastpersist_dist.roles import WRITER_ENV
 from fastpersist_dist.writer_process import writer_client
 
-from .helpers import (ASYNC_KW, assert_same, global_tensor, load, make_dir, native_strategy, proc_status_kib,
+from .helpers import (ASYNC_KW, assert_same, global_tensor, load, logged, make_dir, native_strategy, proc_status_kib,
                       sharded)
 from .multiproc import run_ranks
 
@@ -116,23 +116,9 @@ def test_three_consecutive_async_checkpoints_with_a_fresh_strategy_each(tmp_path
         assert reused == [True]
 
 
-class _Messages(logging.Handler):
-    """The messages logged to the handler's logger, kept in a list."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _two_in_flight(rank: int, world: int, root: str) -> list[str]:
     sd = state(rank, world)
-    log = logging.getLogger("fastpersist_dist.staging")
-    log.setLevel(logging.INFO)
-    handler = _Messages()
-    log.addHandler(handler)
+    records = logged("fastpersist_dist.staging", logging.INFO)
     queue = AsyncSaveQueue()
     expected = []
     for step in range(3):
@@ -142,10 +128,9 @@ def _two_in_flight(rank: int, world: int, root: str) -> list[str]:
         if step == 1:  # step 1 was saved while step 0 was not finalized: both buffers return now
             queue.close()
     queue.close()
-    log.removeHandler(handler)
     for step in range(3):
         load_and_compare(sd, expected[step], f"{root}/step{step}")
-    return [m for m in handler.messages if "snapshot buffer" in m]
+    return [r.getMessage() for r in records if "snapshot buffer" in r.getMessage()]
 
 
 def test_a_save_issued_before_the_last_is_finalized_says_that_it_allocated_a_buffer(tmp_path):

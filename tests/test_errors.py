@@ -31,7 +31,8 @@ from fastpersist_dist.index_pages import part_file_name
 from fastpersist_dist.inspect_ckpt import format_report, inspect_checkpoint
 from fastpersist_dist.verify import verify_checkpoint
 
-from .helpers import COMMON_STATE_OBJECT, assert_same, flip_bit, global_tensor, load, save, sharded, stock_loader
+from .helpers import (COMMON_STATE_OBJECT, assert_same, flip_bit, global_tensor, load, logged, save, sharded,
+                      stock_loader)
 from .multiproc import run_ranks
 
 
@@ -116,10 +117,7 @@ def _refuse_o_direct_then_save(rank: int, world: int, path: str) -> list[str]:
             raise OSError(errno.EINVAL, "Invalid argument", file)
         return real_open(file, flags, *args, **kwargs)
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("fastpersist_dist").addHandler(handler)
+    records = logged()
     os.open = no_direct
     try:
         for i in range(2):  # a second save must not warn again

@@ -13,7 +13,7 @@ from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor, seria
 from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, compat
 from fastpersist_dist.format import INDEX_FILE, data_file_name
 
-from .helpers import assert_same, empty_like_request, global_tensor, load, save, sharded
+from .helpers import assert_same, empty_like_request, global_tensor, load, logged, save, sharded
 from .multiproc import run_ranks
 
 DTYPES = [
@@ -168,11 +168,7 @@ def test_tensors_and_sharded_metadata(tmp_path):
 
 
 def _direct_io_used(rank: int, world: int, path: str) -> list[str]:
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("fastpersist_dist").addHandler(handler)
-    logging.getLogger("fastpersist_dist").setLevel(logging.DEBUG)  # per-rank lines are DEBUG
+    records = logged(level=logging.DEBUG)  # per-rank lines are DEBUG
     save(layout_sd(rank, world, 0), path)
     return [r.getMessage() for r in records]
 
