@@ -250,6 +250,15 @@ class PlanCache:
         known = rank < len(self._digests) and self._digests[rank] == d
         return d, None if known else held
 
+    def predicted(self, rank: int, held: list[ShardRecord], balance: bool) -> Optional[list[ShardRecord]]:
+        """What ``rank`` will write if no other rank's structure changed either: its records in the cached plan.
+
+        None when the cache cannot tell (no plan yet, this rank's structure or
+        ``balance`` changed). Only :meth:`plan` over the gathered data decides.
+        """
+        known = rank < len(self._digests) and self._digests[rank] == self.digest(held)
+        return self._plan[rank] if known and balance == self._balance else None
+
     def plan(self, gathered: Sequence[Outgoing], balance: bool,
              ranks: Optional[Sequence[int]] = None) -> list[list[ShardRecord]]:
         """The plan for every rank's gathered :meth:`outgoing`; raises :class:`PlanError` if there is none.

@@ -5,7 +5,9 @@ agree on a write plan across ranks (one collective, cached across saves),
 invalidate the old checkpoint, take the elements of this rank's share (a
 snapshot of them in host memory for async saves; a synchronous write copies
 what is not host memory as it reaches it), frame each record for the checkpoint format and
-place it in the rank's data file. The result is a :class:`SaveJob`: the
+place it in the rank's data file. An async save of an unchanged structure
+copies by the cached plan while the agreement (directory checks, exchange,
+invalidation) runs beside the copy on a thread. The result is a :class:`SaveJob`: the
 function that writes the file (in the trainer or in an async writer process)
 and the collective finalize steps that commit it. megatron adapters wrap it
 into the request type of their megatron-core.
@@ -16,11 +18,13 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from .checkpoint_formats import CheckpointFormat
@@ -31,13 +35,14 @@ from .errors import FastPersistError, SaveFailedError
 from .format import ShardRecord
 from .per_process import PerProcess
 from .plan import PlanCache, PlanError, place_in_rank_file
-from .staging import SnapshotPool, StagedShard, assign, stage, to_elements
+from .staging import Lease, SnapshotPool, StagedShard, assign, stage, to_elements
 from .storage import host_copy
 from .storage.writer import WriteItem, preload_ops
 from .timing import Phases
 from .writer_process import WriterJob, describe_items, write_in_writer, writer_client
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -86,6 +91,23 @@ def _items(staged: list[StagedShard], fmt: CheckpointFormat, rank: int) -> list[
     records = place_in_rank_file([s.record for s in staged], fmt.data_file(rank),
                                  [(len(p), len(q)) for p, q in frames])
     return [WriteItem(r, s.data, p, q) for r, s, (p, q) in zip(records, staged, frames)]
+
+
+def _on_callers_device(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` to run on another thread, on this thread's current accelerator device.
+
+    The current device is per thread, and object collectives over NCCL stage
+    their bytes on it: on a fresh thread, device 0 for every rank of a node.
+    """
+    if not torch.accelerator.is_available():
+        return fn
+    index = torch.accelerator.current_device_index()
+
+    def on_device() -> T:
+        torch.accelerator.set_device_index(index)
+        return fn()
+
+    return on_device
 
 
 @dataclass
@@ -138,6 +160,13 @@ class SaveEngine:
         """The global ranks of the planning group, or None for the whole world."""
         return None if self.group is None else tuple(dist.get_process_group_ranks(self.group))
 
+    def _me(self) -> int:
+        """This rank's index in the planning group."""
+        me = dist.get_rank(self.group)
+        if me < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not a member of the strategy's parallel_group")
+        return me
+
     def _plan(self, held: list[ShardRecord], error: Optional[str], what: str) -> list[ShardRecord]:
         """Collective: what this rank writes, planned within its group; or the same error on every rank.
 
@@ -145,9 +174,7 @@ class SaveEngine:
         error, or no valid plan) is then agreed over the world, so every rank
         raises it before anything is invalidated.
         """
-        me = dist.get_rank(self.group)
-        if me < 0:
-            raise ValueError(f"rank {dist.get_rank()} is not a member of the strategy's parallel_group")
+        me = self._me()
         ranks = self._ranks()
         plans = _process_wide().plan_cache(ranks)
         gathered = gather_or_fail((error, plans.outgoing(me, held)), what, self.group)
@@ -212,32 +239,19 @@ class SaveEngine:
         phases = Phases()
         staged, error = self._stage(sharded_state_dict, rank)
         error = refusal or error
-        if error is None:  # every rank: a node-local directory may be missing or read-only on one node only
-            error = check_target_directory(ckpt)
-        not_shared = check_shared_directory(ckpt, self.config.require_shared_dir)  # collective: every rank
-        error = error or not_shared
-        what = f"cannot save checkpoint {ckpt}"
+        held = [s.record for s in staged]
         phases.mark("describe")
-        staged = assign(staged, self._plan([s.record for s in staged], error, what), rank)
-        phases.mark("exchange+plan")
-        prep_error = None
-        if rank == 0:
-            try:
-                invalidate(ckpt)
-            except OSError as e:
-                prep_error = f"rank 0: preparing {ckpt} failed: {e}"
-        agree(prep_error, what)
-        phases.mark("invalidate")
         finalize: list[Callable[[], None]] = [
             partial(finalize_save, ckpt, self.config.checksum_block_bytes, self.fmt, aux_files, self.group)
         ]
         if not snapshot:
+            staged = assign(staged, self._agree(ckpt, held, error, phases), rank)
             to_elements(staged)
             items = _items(staged, self.fmt, rank)
             phases.mark("frame")
             logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
             return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank)), finalize)
-        lease = shared.pool.snapshot(staged, phases)
+        staged, lease = self._snapshot(staged, ckpt, error, phases)
         address, writer_pid = writer_client().ensure_running()
         # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
         finalize[:0] = [partial(shared.pool.release, lease), partial(shared.writing.discard, target)]
@@ -247,3 +261,63 @@ class SaveEngine:
         phases.mark("frame")
         logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
         return SaveJob(write_in_writer, (address, writer_pid, job), finalize)
+
+    def _agree(self, ckpt: str, held: list[ShardRecord], error: Optional[str], phases: Phases) -> list[ShardRecord]:
+        """Collective: check the directory, agree on the plan, invalidate the old checkpoint; what this rank writes.
+
+        Raises the same ``SaveFailedError`` on every rank if any rank cannot go
+        on; nothing on disk is touched before every rank has agreed.
+        """
+        rank = dist.get_rank()
+        if error is None:  # every rank: a node-local directory may be missing or read-only on one node only
+            error = check_target_directory(ckpt)
+        not_shared = check_shared_directory(ckpt, self.config.require_shared_dir)  # collective: every rank
+        what = f"cannot save checkpoint {ckpt}"
+        records = self._plan(held, error or not_shared, what)
+        phases.mark("check+exchange+plan")
+        prep_error = None
+        if rank == 0:
+            try:
+                invalidate(ckpt)
+            except OSError as e:
+                prep_error = f"rank 0: preparing {ckpt} failed: {e}"
+        agree(prep_error, what)
+        phases.mark("invalidate")
+        return records
+
+    def _snapshot(self, staged: list[StagedShard], ckpt: str, error: Optional[str],
+                  phases: Phases) -> tuple[list[StagedShard], Lease]:
+        """Collective: agree (:meth:`_agree`) and copy this rank's share into a snapshot buffer.
+
+        The write plan of a save of an unchanged structure is known before the
+        exchange (the cached one), so the copy starts at once and the
+        agreement's collectives and file-system calls run beside it on a
+        thread; it is redone in the rare case that the plan changed (another
+        rank's structure did). A rank that already knows it must refuse copies nothing.
+        """
+        rank = dist.get_rank()
+        pool = _process_wide().pool
+        held = [s.record for s in staged]
+        guess = None if error else _process_wide().plan_cache(self._ranks()).predicted(self._me(), held,
+                                                                                       self.config.balance)
+        if guess is None:
+            assigned = assign(staged, self._agree(ckpt, held, error, phases), rank)
+            return assigned, pool.snapshot(assigned, phases)
+        beside = Phases()
+        with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-agree") as thread:
+            agreed = thread.submit(_on_callers_device(partial(self._agree, ckpt, held, error, beside)))
+            assigned = assign(staged, guess, rank)
+            lease = pool.snapshot(assigned, phases)
+            try:
+                records = agreed.result()
+            except BaseException:
+                pool.release(lease)
+                raise
+        phases.mark("agreement")  # what the copy did not hide
+        logger.debug("fastpersist: rank %d agreed on %s beside its copy: %s", rank, ckpt, beside)
+        if records != guess:
+            logger.debug("fastpersist: rank %d: the write plan of %s changed; copying its share again", rank, ckpt)
+            pool.release(lease)
+            assigned = assign(staged, records, rank)
+            lease = pool.snapshot(assigned, phases)
+        return assigned, lease

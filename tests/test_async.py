@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+from functools import partial
 from typing import Callable
 
 import pytest
@@ -139,6 +140,52 @@ def test_a_save_issued_before_the_last_is_finalized_says_that_it_allocated_a_buf
         assert len(messages) == 1, messages  # step 1 only: step 0 makes the first, step 2 reuses one
         assert "because 1 earlier one(s) still hold theirs" in messages[0], messages
         assert "finalize each save before the next one" in messages[0], messages
+
+
+def _structures(rank: int) -> list[dict]:
+    """Steps 0-3 of one rank: a, b replicated; from step 1 rank 1 also holds c alone; at step 2 it holds a bad one."""
+    def replicated(key: str) -> ShardedTensor:
+        return ShardedTensor.from_rank_offsets(key, global_tensor(key, (64, 64)), replica_id=rank)
+
+    steps = [{"a": replicated("a"), "b": replicated("b")} for _ in range(4)]
+    if rank == 1:
+        for sd in steps[1:]:
+            sd["c"] = ShardedTensor.from_rank_offsets("c", global_tensor("c", (256, 64)), replica_id=0)
+        steps[2]["bad"] = ShardedTensor.from_rank_offsets("bad", torch.zeros(2), replica_id=0)
+        steps[2]["bad"].data = [1.0, 2.0]
+    return steps
+
+
+def _plan_changes_beside_the_copy(rank: int, world: int, root: str) -> tuple[list[str], bool]:
+    records = logged("fastpersist_dist.save_engine", logging.DEBUG)
+    queue, buffers = AsyncSaveQueue(), {}
+    for step, sd in enumerate(_structures(rank)):
+        before = snapshot(sd) if step != 2 else None
+        make_dir(f"{root}/s{step}")
+        save = partial(dist_checkpointing.save, sd, f"{root}/s{step}", sharded_strategy=native_strategy(),
+                       async_sharded_save=True, validate_access_integrity=False, **ASYNC_KW)
+        if step == 2:  # rank 0's structure is unchanged, so it copies its share before rank 1's refusal arrives
+            with pytest.raises(SaveFailedError, match="rank 1: ShardedTensor 'bad' holds list"):
+                save()
+            continue
+        request = save()
+        buffers[step] = request.finalize_fns[0].args[0][1].id
+        queue.schedule(request)
+        mutate(sd, step)
+        queue.close()
+        load_and_compare(sd, before, f"{root}/s{step}")
+    recopied = [r.getMessage() for r in records if "changed; copying its share again" in r.getMessage()]
+    return recopied, buffers[3] == buffers[1]  # the refused save returned the buffer it had copied into
+
+
+def test_a_plan_that_changes_under_an_unchanged_rank_is_copied_again_and_a_refusal_returns_the_buffer(tmp_path):
+    """A save of an unchanged structure copies by the cached plan while the ranks agree on a thread (it hides
+    the collectives and the directory's file-system calls behind the copy); the agreed plan decides."""
+    (recopied0, reused0), (recopied1, reused1) = run_ranks(2, _plan_changes_beside_the_copy, str(tmp_path))
+    assert len(recopied0) == 1 and "/s1" in recopied0[0], recopied0  # step 1: c moved a or b to rank 0
+    assert recopied1 == []  # rank 1's own structure changed: it waited for the plan
+    assert reused0 and reused1
+    assert not os.path.exists(tmp_path / "s2" / INDEX_FILE)
 
 
 def _background_write_fails(rank: int, world: int, root: str) -> str:
