@@ -278,7 +278,7 @@ class SaveEngine:
         prep_error = None
         if rank == 0:
             try:
-                invalidate(ckpt)
+                invalidate(ckpt, frozenset(self.fmt.data_file(r) for r in range(dist.get_world_size())))
             except OSError as e:
                 prep_error = f"rank 0: preparing {ckpt} failed: {e}"
         agree(prep_error, what)
