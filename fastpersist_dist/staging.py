@@ -162,15 +162,19 @@ class SnapshotPool:
     maps (``on_new`` shares it, ``on_drop`` takes it back). When a save is
     finalized its buffer returns here and the next save of the same structure
     reuses it; a save issued before that gets a buffer of its own. Peak extra
-    host memory is therefore (saves in flight) x (bytes this rank writes); one
-    free buffer is kept, a buffer for another structure is dropped.
+    host memory is therefore (saves in flight) x (bytes this rank writes).
+    Returned buffers are kept up to the most saves ever in flight at once: a
+    trainer whose saves overlapped once (a save slower than the interval
+    between them) will likely overlap again, and allocating a buffer costs its
+    call ten times the copy. A buffer for another structure is dropped.
     """
 
     ALIGN = 64
 
     def __init__(self, on_new: Callable[[SharedBuffer], None], on_drop: Callable[[SharedBuffer], None]) -> None:
-        self._free: Optional[Lease] = None
+        self._free: list[Lease] = []  # newest last
         self._leased = 0  # buffers of saves not yet finalized
+        self._most_leased = 1  # the most at once so far: how many free ones are worth keeping
         self._on_new, self._on_drop = on_new, on_drop
 
     def snapshot(self, staged: list[StagedShard], phases: Optional[Phases] = None) -> Lease:
@@ -187,9 +191,10 @@ class SnapshotPool:
         phases.mark("buffer")
         if new and self._leased:
             logger.info("fastpersist: this async save allocated a snapshot buffer of %.2f GiB (%.2f s of its call) "
-                        "because %d earlier one(s) still hold theirs: finalize each save before the next one "
-                        "(checkpoint less often than a save takes to become durable) to reuse one buffer",
-                        total / (1 << 30), time.perf_counter() - start, self._leased)
+                        "because %d earlier one(s) still hold theirs; %d are kept for later saves from now on: "
+                        "finalize each save before the next one (checkpoint less often than a save takes to become "
+                        "durable) to need one", total / (1 << 30), time.perf_counter() - start, self._leased,
+                        self._leased + 1)
         for s, off in zip(tensors, offsets):
             dest = buffer.tensor[off : off + s.record.length]
             if s.record.length:
@@ -206,6 +211,7 @@ class SnapshotPool:
         if new:  # after the copy: the writer maps (and faults in) the pages while training goes on
             self._on_new(buffer)
         self._leased += 1
+        self._most_leased = max(self._most_leased, self._leased)
         return signature, buffer
 
     def reserve(self, staged: list[StagedShard]) -> None:
@@ -233,25 +239,31 @@ class SnapshotPool:
         return tensors, signature, offsets, total
 
     def release(self, lease: Lease) -> None:
-        """Take back a buffer whose bytes are written (called at finalize); keep the latest one."""
+        """Take back a buffer whose bytes are written (called at finalize), for later saves (:meth:`_keep`)."""
         self._leased -= 1
         self._keep(lease)
 
     def _keep(self, lease: Lease) -> None:
-        """Make ``lease`` the free buffer (the latest one is kept: the next save most likely has its structure)."""
-        if self._free is not None and self._free[1] is not lease[1]:
-            self._drop(self._free[1])
-        self._free = lease
+        """Keep ``lease`` free (the next save most likely has the latest one's structure), up to the most in flight."""
+        self._drop_unlike(lease[0])
+        self._free.append(lease)
+        while len(self._free) > self._most_leased:
+            self._drop(self._free.pop(0)[1])
+
+    def _drop_unlike(self, signature: tuple) -> None:
+        """Drop the free buffers of another structure than ``signature``'s (the state's structure changed)."""
+        for old in self._free:
+            if old[0] != signature:
+                self._drop(old[1])
+        self._free = [f for f in self._free if f[0] == signature]
 
     def _drop(self, buffer: SharedBuffer) -> None:
         self._on_drop(buffer)
         buffer.close()
 
     def _acquire(self, signature: tuple, total: int, pinned: bool) -> tuple[SharedBuffer, bool]:
-        """The free buffer if it fits ``signature``, else a new one (True: not yet shared with ``on_new``)."""
-        free, self._free = self._free, None
-        if free is not None:
-            if free[0] == signature:
-                return free[1], False
-            self._drop(free[1])
+        """A free buffer of ``signature`` (the newest), else a new one (True: not yet shared with ``on_new``)."""
+        self._drop_unlike(signature)
+        if self._free:
+            return self._free.pop()[1], False
         return SharedBuffer(total, pinned=pinned), True

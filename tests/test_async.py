@@ -117,29 +117,32 @@ def test_three_consecutive_async_checkpoints_with_a_fresh_strategy_each(tmp_path
         assert reused == [True]
 
 
-def _two_in_flight(rank: int, world: int, root: str) -> list[str]:
+def _two_in_flight(rank: int, world: int, root: str) -> tuple[list[str], list[tuple]]:
     sd = state(rank, world)
     records = logged("fastpersist_dist.staging", logging.INFO)
     queue = AsyncSaveQueue()
-    expected = []
-    for step in range(3):
+    expected, buffers = [], []
+    for step in range(4):
         expected.append(snapshot(sd))
-        queue.schedule(async_save(sd, f"{root}/step{step}", native_strategy()))
+        request = async_save(sd, f"{root}/step{step}", native_strategy())
+        buffers.append(request.finalize_fns[0].args[0][1].id)  # the snapshot buffer leased
+        queue.schedule(request)
         mutate(sd, step)
-        if step == 1:  # step 1 was saved while step 0 was not finalized: both buffers return now
+        if step in (1, 3):  # step 1 (3) was saved while step 0 (2) was not finalized: both buffers return now
             queue.close()
-    queue.close()
-    for step in range(3):
+    for step in range(4):
         load_and_compare(sd, expected[step], f"{root}/step{step}")
-    return [r.getMessage() for r in records if "snapshot buffer" in r.getMessage()]
+    return [r.getMessage() for r in records if "snapshot buffer" in r.getMessage()], buffers
 
 
 def test_a_save_issued_before_the_last_is_finalized_says_that_it_allocated_a_buffer(tmp_path):
-    """Its call pays for a new buffer (0.29 s per 0.5 GiB here): the log says why, and how to avoid it."""
-    for messages in run_ranks(2, _two_in_flight, str(tmp_path)):
-        assert len(messages) == 1, messages  # step 1 only: step 0 makes the first, step 2 reuses one
-        assert "because 1 earlier one(s) still hold theirs" in messages[0], messages
+    """Its call pays for a new buffer (0.29 s per 0.5 GiB here): the log says why, and how to avoid it.
+    Both buffers are kept, so saves that overlap again reuse them instead of allocating in every other call."""
+    for messages, buffers in run_ranks(2, _two_in_flight, str(tmp_path)):
+        assert len(messages) == 1, messages  # step 1 only: step 0 makes the first, steps 2 and 3 reuse both
+        assert "because 1 earlier one(s) still hold theirs; 2 are kept for later saves" in messages[0], messages
         assert "finalize each save before the next one" in messages[0], messages
+        assert buffers[0] != buffers[1] and set(buffers[2:]) == set(buffers[:2]), buffers
 
 
 def _structures(rank: int) -> list[dict]:

@@ -61,13 +61,13 @@ def _async_snapshot_in_locked_memory(rank: int, world: int, root: str) -> None:
     queue = AsyncSaveQueue()
     path = f"{root}/async"
     make_dir(path)
-    queue.schedule(async_save(sd, path, strategy))
+    request = async_save(sd, path, strategy)
+    buffer = request.finalize_fns[0].args[0][1]  # the snapshot buffer leased: the device-to-host copies' target
+    queue.schedule(request)
     mutate(sd, 0)  # on the GPU, at once: the snapshot was taken
     queue.maybe_finalize(blocking=True)
     load_and_compare(sd, before, path)
-    # the snapshot buffer, back in the pool after finalize: device-to-host copies went into page-locked memory
-    buffer = strategy._engine._pool._free[1]
-    assert buffer.device.type == "cpu" and buffer.is_pinned()
+    assert buffer.tensor.device.type == "cpu" and buffer.tensor.is_pinned()
 
 
 def test_gpu_async_save_snapshots_into_locked_memory(tmp_path):
