@@ -194,7 +194,7 @@ class SnapshotPool:
                         "because %d earlier one(s) still hold theirs; %d are kept for later saves from now on: "
                         "finalize each save before the next one (checkpoint less often than a save takes to become "
                         "durable) to need one", total / (1 << 30), time.perf_counter() - start, self._leased,
-                        self._leased + 1)
+                        max(self._most_leased, self._leased + 1))
         for s, off in zip(tensors, offsets):
             dest = buffer.tensor[off : off + s.record.length]
             if s.record.length:
