@@ -98,8 +98,13 @@ def _on_callers_device(fn: Callable[[], T]) -> Callable[[], T]:
 
     The current device is per thread, and object collectives over NCCL stage
     their bytes on it: on a fresh thread, device 0 for every rank of a node.
+    Only where this process has initialized its accelerator (one using NCCL has): asking
+    for the current device would otherwise initialize it, in a trainer whose
+    state lives in host memory.
     """
-    if not torch.accelerator.is_available():
+    accelerator = torch.accelerator.current_accelerator()  # compiled in; neither initializes nor poisons fork
+    module = None if accelerator is None else torch.get_device_module(accelerator)
+    if module is None or not getattr(module, "is_initialized", lambda: False)():
         return fn
     index = torch.accelerator.current_device_index()
 

@@ -58,6 +58,7 @@ def _async_snapshot_in_locked_memory(rank: int, world: int, root: str) -> None:
     sd = gpu_state(rank, world)
     before = snapshot(sd)
     strategy = native_strategy()
+    strategy.load_ops(sd)  # as a trainer would: the save then agrees on a thread beside its copies, on this device
     queue = AsyncSaveQueue()
     path = f"{root}/async"
     make_dir(path)
