@@ -244,20 +244,23 @@ class PlanCache:
         """Digest of a rank's shard structure (records are plain frozen dataclasses)."""
         return hashlib.blake2b(repr(records).encode(), digest_size=16).hexdigest()
 
+    def _knows(self, rank: int, digest: str) -> bool:
+        """Whether the cached plan was made with ``rank``'s structure of this digest."""
+        return rank < len(self._digests) and self._digests[rank] == digest
+
     def outgoing(self, rank: int, held: list[ShardRecord]) -> Outgoing:
         """What ``rank`` sends: its digest, and its records unless the cache already has them."""
         d = self.digest(held)
-        known = rank < len(self._digests) and self._digests[rank] == d
-        return d, None if known else held
+        return d, None if self._knows(rank, d) else held
 
-    def predicted(self, rank: int, held: list[ShardRecord], balance: bool) -> Optional[list[ShardRecord]]:
-        """What ``rank`` will write if no other rank's structure changed either: its records in the cached plan.
+    def predicted(self, rank: int, digest: str, balance: bool) -> Optional[list[ShardRecord]]:
+        """What ``rank`` (its structure's ``digest``, as in its :meth:`outgoing`) will write if no other rank's
+        structure changed either: its records in the cached plan.
 
         None when the cache cannot tell (no plan yet, this rank's structure or
         ``balance`` changed). Only :meth:`plan` over the gathered data decides.
         """
-        known = rank < len(self._digests) and self._digests[rank] == self.digest(held)
-        return self._plan[rank] if known and balance == self._balance else None
+        return self._plan[rank] if self._knows(rank, digest) and balance == self._balance else None
 
     def plan(self, gathered: Sequence[Outgoing], balance: bool,
              ranks: Optional[Sequence[int]] = None) -> list[list[ShardRecord]]:
@@ -274,7 +277,7 @@ class PlanCache:
         held = []
         for i, (d, records) in enumerate(gathered):
             if records is None:
-                if i >= len(self._digests) or self._digests[i] != d:
+                if not self._knows(i, d):
                     rank = i if ranks is None else ranks[i]
                     raise PlanError(f"rank {rank} sent no records and the plan cache does not know its digest {d}")
                 records = self._held[i]

@@ -34,7 +34,7 @@ from .config import WriteConfig
 from .errors import FastPersistError, SaveFailedError
 from .format import ShardRecord
 from .per_process import PerProcess
-from .plan import PlanCache, PlanError, place_in_rank_file
+from .plan import Outgoing, PlanCache, PlanError, place_in_rank_file
 from .staging import Lease, SnapshotPool, StagedShard, assign, stage, to_elements
 from .storage import host_copy
 from .storage.writer import WriteItem, preload_ops
@@ -172,8 +172,13 @@ class SaveEngine:
             raise ValueError(f"rank {dist.get_rank()} is not a member of the strategy's parallel_group")
         return me
 
-    def _plan(self, held: list[ShardRecord], error: Optional[str], what: str) -> list[ShardRecord]:
-        """Collective: what this rank writes, planned within its group; or the same error on every rank.
+    def _outgoing(self, held: list[ShardRecord]) -> Outgoing:
+        """What this rank sends in the plan exchange (:meth:`PlanCache.outgoing`: its digest, records if new)."""
+        return _process_wide().plan_cache(self._ranks()).outgoing(self._me(), held)
+
+    def _plan(self, out: Outgoing, error: Optional[str], what: str) -> list[ShardRecord]:
+        """Collective: what this rank writes (``out``: its :meth:`_outgoing`), planned within its group; or the
+        same error on every rank.
 
         Shard lists travel within the group only; a group's failure (a rank's
         error, or no valid plan) is then agreed over the world, so every rank
@@ -182,12 +187,12 @@ class SaveEngine:
         me = self._me()
         ranks = self._ranks()
         plans = _process_wide().plan_cache(ranks)
-        gathered = gather_or_fail((error, plans.outgoing(me, held)), what, self.group)
+        gathered = gather_or_fail((error, out), what, self.group)
         failures = [err for err, _ in gathered if err]
         plan: list[list[ShardRecord]] = []
         if not failures:
             try:  # the same in the whole group: the plan is a function of the gathered data
-                plan = plans.plan([out for _, out in gathered], self.config.balance, ranks)
+                plan = plans.plan([sent for _, sent in gathered], self.config.balance, ranks)
             except PlanError as e:
                 failures = [str(e)]
         if self.group is not None:
@@ -213,7 +218,8 @@ class SaveEngine:
         rank = dist.get_rank()
         with _gc_paused():
             staged, error = self._stage(sharded_state_dict, rank)
-            staged = assign(staged, self._plan([s.record for s in staged], error, "cannot reserve a snapshot"), rank)
+            out = self._outgoing([s.record for s in staged])
+            staged = assign(staged, self._plan(out, error, "cannot reserve a snapshot"), rank)
             _process_wide().pool.reserve(staged)
 
     def prepare(self, sharded_state_dict: dict, checkpoint_dir: str, snapshot: bool,
@@ -244,19 +250,19 @@ class SaveEngine:
         phases = Phases()
         staged, error = self._stage(sharded_state_dict, rank)
         error = refusal or error
-        held = [s.record for s in staged]
+        out = self._outgoing([s.record for s in staged])
         phases.mark("describe")
         finalize: list[Callable[[], None]] = [
             partial(finalize_save, ckpt, self.config.checksum_block_bytes, self.fmt, aux_files, self.group)
         ]
         if not snapshot:
-            staged = assign(staged, self._agree(ckpt, held, error, phases), rank)
+            staged = assign(staged, self._agree(ckpt, out, error, phases), rank)
             to_elements(staged)
             items = _items(staged, self.fmt, rank)
             phases.mark("frame")
             logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
             return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank)), finalize)
-        staged, lease = self._snapshot(staged, ckpt, error, phases)
+        staged, lease = self._snapshot(staged, out, ckpt, error, phases)
         address, writer_pid = writer_client().ensure_running()
         # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
         finalize[:0] = [partial(shared.pool.release, lease), partial(shared.writing.discard, target)]
@@ -267,7 +273,7 @@ class SaveEngine:
         logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
         return SaveJob(write_in_writer, (address, writer_pid, job), finalize)
 
-    def _agree(self, ckpt: str, held: list[ShardRecord], error: Optional[str], phases: Phases) -> list[ShardRecord]:
+    def _agree(self, ckpt: str, out: Outgoing, error: Optional[str], phases: Phases) -> list[ShardRecord]:
         """Collective: check the directory, agree on the plan, invalidate the old checkpoint; what this rank writes.
 
         Raises the same ``SaveFailedError`` on every rank if any rank cannot go
@@ -278,7 +284,7 @@ class SaveEngine:
             error = check_target_directory(ckpt)
         not_shared = check_shared_directory(ckpt, self.config.require_shared_dir)  # collective: every rank
         what = f"cannot save checkpoint {ckpt}"
-        records = self._plan(held, error or not_shared, what)
+        records = self._plan(out, error or not_shared, what)
         phases.mark("check+exchange+plan")
         prep_error = None
         if rank == 0:
@@ -290,7 +296,7 @@ class SaveEngine:
         phases.mark("invalidate")
         return records
 
-    def _snapshot(self, staged: list[StagedShard], ckpt: str, error: Optional[str],
+    def _snapshot(self, staged: list[StagedShard], out: Outgoing, ckpt: str, error: Optional[str],
                   phases: Phases) -> tuple[list[StagedShard], Lease]:
         """Collective: agree (:meth:`_agree`) and copy this rank's share into a snapshot buffer.
 
@@ -301,16 +307,15 @@ class SaveEngine:
         rank's structure did). A rank that already knows it must refuse copies nothing.
         """
         rank = dist.get_rank()
-        pool = _process_wide().pool
-        held = [s.record for s in staged]
-        guess = None if error else _process_wide().plan_cache(self._ranks()).predicted(self._me(), held,
-                                                                                       self.config.balance)
+        shared = _process_wide()
+        pool = shared.pool
+        guess = None if error else shared.plan_cache(self._ranks()).predicted(self._me(), out[0], self.config.balance)
         if guess is None:
-            assigned = assign(staged, self._agree(ckpt, held, error, phases), rank)
+            assigned = assign(staged, self._agree(ckpt, out, error, phases), rank)
             return assigned, pool.snapshot(assigned, phases)
         beside = Phases()
         with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-agree") as thread:
-            agreed = thread.submit(_on_callers_device(partial(self._agree, ckpt, held, error, beside)))
+            agreed = thread.submit(_on_callers_device(partial(self._agree, ckpt, out, error, beside)))
             assigned = assign(staged, guess, rank)
             lease = pool.snapshot(assigned, phases)
             try:

@@ -158,15 +158,16 @@ def test_plan_cache_sends_records_only_when_they_change():
 def test_plan_cache_predicts_a_rank_s_share_only_while_its_own_structure_and_balance_stay():
     held = gpt_layout(2, 2, hidden=512, extras=False)
     cache = PlanCache()
-    assert cache.predicted(0, held[0], balance=True) is None  # nothing planned yet
+    assert cache.predicted(0, PlanCache.digest(held[0]), balance=True) is None  # nothing planned yet
     plan = cache.plan([cache.outgoing(rank, records) for rank, records in enumerate(held)], balance=True)
-    assert cache.predicted(0, held[0], balance=True) == plan[0]
-    assert cache.predicted(0, held[0], balance=False) is None
-    assert cache.predicted(0, held[0] + [tensor("extra", (4,), (4,), (0,), "float32", 0)], balance=True) is None
+    assert cache.predicted(0, PlanCache.digest(held[0]), balance=True) == plan[0]
+    assert cache.predicted(0, PlanCache.digest(held[0]), balance=False) is None
+    grown = held[0] + [tensor("extra", (4,), (4,), (0,), "float32", 0)]
+    assert cache.predicted(0, PlanCache.digest(grown), balance=True) is None
     # Another rank's change is invisible to the prediction: only the plan over gathered data decides.
     changed = [list(records) for records in held]
     changed[3].append(tensor("extra", (1 << 24,), (1 << 24,), (0,), "float32", 0))
-    assert cache.predicted(0, changed[0], balance=True) == plan[0]
+    assert cache.predicted(0, PlanCache.digest(changed[0]), balance=True) == plan[0]
     replanned = cache.plan([cache.outgoing(rank, records) for rank, records in enumerate(changed)], balance=True)
     assert replanned[0] != plan[0] and not cache.reused
 
