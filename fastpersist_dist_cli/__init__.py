@@ -173,6 +173,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{args.command}: {problem}", file=sys.stderr)
     if problems:
         return 2
+    # The benchmarks fork their ranks after importing DeepSpeed and megatron-core, whose imports ask
+    # torch.cuda.is_available(): by default that initializes the CUDA driver here and every forked
+    # rank then fails at its first CUDA call ("Cannot re-initialize CUDA in forked subprocess").
+    # Asked through NVML instead, it leaves this process without CUDA; a user's own setting wins.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     from .quiet import quiet_dependencies
 
     quiet_dependencies()

@@ -5,6 +5,8 @@
 #    async snapshots copied device-to-host into page-locked memory. Fails rather than skips.
 # 2. the benchmark on that directory (put it on the NVMe), one GPU per rank, NCCL.
 # PYTHON (default .venv/bin/python), RANKS (default: every GPU), GIB (default 4) override.
+# The bench runs through fastpersist_dist_cli, whose main asks for CUDA through NVML before
+# anything else can, so the ranks it forks can still initialize CUDA (docs/performance.md, "GPU").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:?usage: scripts/gpu_check.sh <directory on the NVMe to benchmark>}
@@ -13,5 +15,5 @@ py=${PYTHON:-.venv/bin/python}
 ranks=${RANKS:-$("$py" -c 'import torch; print(torch.cuda.device_count())')}
 "$py" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider
 mkdir -p "$dir"
-"$py" -m fastpersist_dist.cli bench --contenders device_bound,fastpersist,fastpersist_async,fastpersist_dcp,torch_dist,torch_save \
+"$py" -m fastpersist_dist_cli bench --contenders device_bound,fastpersist,fastpersist_async,fastpersist_dcp,torch_dist,torch_save \
     --ranks "$ranks" --tp 1 --gib "${GIB:-4}" --reps 3 --dir "$dir" --json "$dir/gpu_bench.json" --log-level INFO

@@ -1,6 +1,7 @@
-"""Each virtualenv keeps its own built DeepSpeed ops: using one venv never rebuilds another's.
+"""Each virtualenv keeps its own built DeepSpeed ops: using one venv never rebuilds another's;
+a CUDA arch list DeepSpeed cannot parse does not stop them from building.
 
-Needs a second venv: ``FASTPERSIST_OTHER_PYTHON=<other venv>/bin/python`` (``.ci/run``
+The venv test needs a second venv: ``FASTPERSIST_OTHER_PYTHON=<other venv>/bin/python`` (``.ci/run``
 sets it in its second run, pointing at the first).
 """
 
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 
-from fastpersist_dist.storage.deepspeed_ops import use_venv_extension_cache
+from fastpersist_dist.storage.deepspeed_ops import _arch_list_deepspeed_sorts, use_venv_extension_cache
 
 OTHER_PYTHON = os.environ.get("FASTPERSIST_OTHER_PYTHON")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,3 +78,22 @@ def test_users_extension_dir_is_kept(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere/torch_ext")
     use_venv_extension_cache()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_ext")
+
+
+@pytest.mark.parametrize("arch_list, flags", [
+    ("9.0a", ["-gencode=arch=compute_90,code=sm_90"]),
+    ("8.0;9.0a+PTX", ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+                      "-gencode=arch=compute_90,code=compute_90"]),
+    ("9.0 10.0f", ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_100,code=sm_100"]),
+])
+def test_an_arch_list_deepspeed_cannot_sort_is_built_without_its_suffixes_and_restored(monkeypatch, arch_list, flags):
+    """An H200 machine's environment made DeepSpeed's CUDA build of our ops fail ("'0a'"); our ops hold no device code."""
+    from deepspeed.ops.op_builder.async_io import AsyncIOBuilder  # its CUDA builder, on any host
+
+    builder = AsyncIOBuilder()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        builder.compute_capability_args()  # the failure, as DeepSpeed 0.19 gives it
+    with _arch_list_deepspeed_sorts():
+        assert builder.compute_capability_args() == flags
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == arch_list

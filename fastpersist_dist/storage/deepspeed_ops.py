@@ -1,6 +1,6 @@
 """Access to DeepSpeed's native ops: the ``async_io`` handle and the ``utils`` op.
 
-Two DeepSpeed 0.19 traps are handled here, once:
+Three DeepSpeed 0.19 traps are handled here, once:
 
 * On a CPU-only torch the accelerator maps ``UtilsBuilder`` to
   ``NotImplementedBuilder``, so ``FastFileWriter()`` raises. The generic
@@ -9,6 +9,11 @@ Two DeepSpeed 0.19 traps are handled here, once:
 * An aio handle created before ``fork`` hangs in the child: handles and their
   locked bounce buffers are cached per process id, so a forked writer always
   makes its own.
+* With CUDA, its JIT build sorts ``TORCH_CUDA_ARCH_LIST`` numerically and fails
+  on an architecture-specific entry such as ``9.0a`` ("invalid literal for
+  int() with base 10: '0a'", seen on an H200 machine). Our ops are host C++
+  with no device code, so they are built with the suffixes dropped
+  (:func:`arch_list_deepspeed_sorts`); the user's variable is restored after.
 
 The ops are built (JIT, minutes) into ``<venv>/torch_ext`` unless the user's
 ``TORCH_EXTENSIONS_DIR`` says otherwise: one cache per virtualenv, also for a
@@ -20,10 +25,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import resource
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -46,6 +53,32 @@ def use_venv_extension_cache() -> None:
         os.environ["TORCH_EXTENSIONS_DIR"] = os.environ[_CHOSEN_DIR_VAR] = ours
 
 
+def arch_list_deepspeed_sorts(arch_list: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` without the letter suffixes of architecture-specific targets ("9.0a" -> "9.0").
+
+    Separators and ``+PTX`` are kept; DeepSpeed 0.19 parses each entry's
+    "major.minor" as integers.
+    """
+    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", arch_list)
+
+
+@contextmanager
+def _arch_list_deepspeed_sorts() -> Iterator[None]:
+    """Build DeepSpeed ops under an arch list its JIT build can sort (see module doc)."""
+    name = "TORCH_CUDA_ARCH_LIST"
+    current = os.environ.get(name)
+    usable = arch_list_deepspeed_sorts(current) if current else current
+    if usable == current:
+        yield
+        return
+    logger.debug("building DeepSpeed ops with %s=%r (was %r; they hold no device code)", name, usable, current)
+    os.environ[name] = usable
+    try:
+        yield
+    finally:
+        os.environ[name] = current
+
+
 def aio_module() -> Any:
     """The built ``async_io`` extension (built on first use: minutes; prebuilt by scripts/setup.sh)."""
     global _AIO_MODULE, _AIO_ERROR
@@ -54,7 +87,8 @@ def aio_module() -> Any:
         try:
             from deepspeed.ops.op_builder import AsyncIOBuilder
 
-            _AIO_MODULE = AsyncIOBuilder().load(verbose=False)
+            with _arch_list_deepspeed_sorts():
+                _AIO_MODULE = AsyncIOBuilder().load(verbose=False)
         except Exception as e:  # noqa: BLE001 - any build/load failure means "no aio"
             _AIO_ERROR = f"{type(e).__name__}: {e}"
     if _AIO_MODULE is None:
@@ -83,7 +117,8 @@ def ensure_fast_file_writer_usable() -> None:
 
         fast_file_writer.UtilsBuilder = UtilsBuilder
         logger.debug("FastFileWriter: using the generic UtilsBuilder (accelerator has none)")
-    fast_file_writer.UtilsBuilder().load(verbose=False)
+    with _arch_list_deepspeed_sorts():
+        fast_file_writer.UtilsBuilder().load(verbose=False)
 
 
 @dataclass(frozen=True)
