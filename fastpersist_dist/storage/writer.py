@@ -10,7 +10,8 @@ bytes are copied and written, and the bounce-buffer copies run on one thread.
 Records whose elements are not contiguous host memory (accelerator tensors,
 strided views: a synchronous save passes them as they are) are copied to the
 host as the write reaches them, a bounded number of bytes ahead
-(``HOST_COPY_BYTES``), not all before it starts.
+(``HOST_COPY_BYTES``), not all before it starts, into a block of host memory
+that the process keeps for its next write (storage/host_staging.py).
 
 Because a failed aio write can leave a file of the right size with wrong bytes
 (a hole, a stale bounce-buffer half), a few checksum blocks are read back from
@@ -25,7 +26,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
@@ -44,6 +45,8 @@ from .deepspeed_ops import (
     aio_resources,
     ensure_fast_file_writer_usable,
 )
+from .host_copy import copy_to_host
+from .host_staging import Ring, staging_block
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +54,10 @@ MODE_DIRECT = "direct"
 MODE_BUFFERED = "buffered"
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 # Host copies (of accelerator tensors, strided views) one write holds at once, made ahead of
-# the write position so that the copy of the next record overlaps the aio writes of this one.
-# A record above it is copied alone. Was: the whole share copied before the first byte went
-# out (a GPU rank's share in pageable host memory at once).
+# the write position so that the copy of the next record overlaps the aio writes of this one:
+# the size of the reused block they go into. A record above it is copied alone, into fresh
+# memory. Was: the whole share copied before the first byte went out (a GPU rank's share in
+# pageable host memory at once).
 HOST_COPY_BYTES = 256 * MiB
 _warned: set[object] = set()
 
@@ -207,6 +211,10 @@ def needs_host_copy(data: torch.Tensor) -> bool:
     return data.device.type != "cpu" or not data.is_contiguous()
 
 
+def _nbytes(data: torch.Tensor) -> int:
+    return data.numel() * data.element_size()
+
+
 def host_bytes(data: torch.Tensor) -> torch.Tensor:
     """1-D uint8 host bytes of ``data``: a view of contiguous host memory, else a copy."""
     host = data.detach()
@@ -222,44 +230,62 @@ class _HostBytesAhead:
     stream, as the caller left it), ahead of the item asked for while the copies
     not yet both written and checksummed stay within ``budget`` bytes; items that
     need no copy cost nothing, so for host state every checksum starts at once.
+    With a ``block`` (storage/host_staging.py) a copy of at most its size goes
+    into a region of it, given back in order once written and checksummed; a
+    larger one, or every copy without a block, into fresh memory.
     """
 
-    def __init__(self, items: list[WriteItem], checksum: Callable[[WriteItem, torch.Tensor], Future], budget: int):
+    def __init__(self, items: list[WriteItem], checksum: Callable[[WriteItem, torch.Tensor], Future], budget: int,
+                 block: Optional[torch.Tensor] = None):
         self._items, self._checksum, self._budget = items, checksum, budget
+        self._block = block
+        self._ring = Ring(block.numel()) if block is not None else None
         self.digests: list[Future] = []  # one per item made, in order
         self._hosts: list[Optional[torch.Tensor]] = []
-        self._copies: list[tuple[int, int]] = []  # (item index, bytes) of copies possibly still held
+        self._copies: list[tuple[int, int, bool]] = []  # (item index, bytes, in the ring) of copies maybe still held
 
     def get(self, i: int) -> torch.Tensor:
         """Host bytes of item ``i`` (items before it are written); the caller's reference is the only one kept."""
         while len(self.digests) <= i:
-            while (cost := self._room(i)) is None:
+            while (place := self._room(i)) is None:
                 self.digests[self._copies[0][0]].result()  # a written copy still being checksummed
-            self._make(cost)
-        while len(self.digests) < len(self._items) and (cost := self._room(i)) is not None:
-            self._make(cost)
+            self._make(*place)
+        while len(self.digests) < len(self._items) and (place := self._room(i)) is not None:
+            self._make(*place)
         host, self._hosts[i] = self._hosts[i], None
         return host
 
-    def _room(self, writing: int) -> Optional[int]:
-        """The next item's copy cost if it fits beside the copies not yet written (item ``writing`` on) or checksummed."""
-        self._copies = [(j, n) for j, n in self._copies if j >= writing or not self.digests[j].done()]
+    def _room(self, writing: int) -> Optional[tuple[int, Optional[int]]]:
+        """The next item's copy cost and offset in the block (None: elsewhere) if it fits beside the copies held."""
+        # Items are written in order and checksummed in order (one thread): copies are freed oldest first.
+        while self._copies and self._copies[0][0] < writing and self.digests[self._copies[0][0]].done():
+            if self._copies.pop(0)[2]:
+                self._ring.give_back_oldest()
         data = self._items[len(self.digests)].data
-        cost = data.numel() * data.element_size() if needs_host_copy(data) else 0
-        fits = cost == 0 or not self._copies or sum(n for _, n in self._copies) + cost <= self._budget
-        return cost if fits else None
+        cost = _nbytes(data) if needs_host_copy(data) else 0
+        if cost and self._ring is not None and cost <= self._ring.capacity:
+            offset = self._ring.take(cost)
+            return None if offset is None else (cost, offset)
+        fits = cost == 0 or not self._copies or sum(n for _, n, _ in self._copies) + cost <= self._budget
+        return (cost, None) if fits else None
 
-    def _make(self, cost: int) -> None:
+    def _make(self, cost: int, offset: Optional[int]) -> None:
         k = len(self.digests)
         item = self._items[k]
         try:
-            host = host_bytes(item.data)
+            host = host_bytes(item.data) if offset is None else self._into_block(item.data, offset, cost)
         except Exception as e:  # made ahead of the item being written: name the one that failed
             raise FastPersistError(f"taking the bytes of {item.record.describe()}: {type(e).__name__}: {e}") from e
         if cost:
-            self._copies.append((k, cost))
+            self._copies.append((k, cost, offset is not None))
         self._hosts.append(host)
         self.digests.append(self._checksum(item, host))
+
+    def _into_block(self, data: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+        """``data``'s bytes copied into the block at ``offset`` (a blocking copy: complete on return)."""
+        dest = self._block[offset : offset + nbytes]
+        copy_to_host(dest.view(data.dtype).view(data.shape), data.detach())
+        return dest
 
 
 def _readback_blocks(records: list[ShardRecord], block: int, stride: int) -> list[tuple[ShardRecord, int]]:
@@ -397,9 +423,14 @@ def _stream(
     """
     where = "writing"
     shown = progress.task("write", sum(item.record.length for item in items))
-    with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-checksum") as checksummer, copies_on_this_thread():
+    staged = [d for d in (item.data for item in items) if needs_host_copy(d) and _nbytes(d) <= HOST_COPY_BYTES]
+    on_device = any(d.device.type != "cpu" for d in staged)
+    staging = staging_block(HOST_COPY_BYTES, pinned=on_device) if staged else nullcontext()
+    # The block is given up last: after the checksum thread has finished with it, whatever happened.
+    with staging as host_block, copies_on_this_thread(), \
+            ThreadPoolExecutor(1, thread_name_prefix="fastpersist-checksum") as checksummer:
         ahead = _HostBytesAhead(items, lambda item, data: checksummer.submit(_checksums, item, data, block, chunk),
-                                HOST_COPY_BYTES)
+                                HOST_COPY_BYTES, host_block)
         try:
             for i, item in enumerate(items):
                 where = f"writing {item.record.describe()}"
