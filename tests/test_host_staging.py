@@ -60,8 +60,8 @@ def test_a_copy_keeps_its_region_until_both_written_and_checksummed(slow):
         ahead = writer._HostBytesAhead(items, lambda item, data: read(data), 8 * ALIGN, block)
         for i, item in enumerate(items):
             assert bytes(ahead.get(i).numpy()) == bytes(item.data.numpy()), f"written bytes of item {i}"
-        for i, (item, read) in enumerate(zip(items, ahead.digests)):
-            assert read.result() == bytes(item.data.numpy()), f"checksummed bytes of item {i}"
+        for i, (item, digest) in enumerate(zip(items, ahead.digests)):
+            assert digest.result() == bytes(item.data.numpy()), f"checksummed bytes of item {i}"
 
 
 def _strided(items: list[writer.WriteItem]) -> list[writer.WriteItem]:

@@ -13,7 +13,7 @@ Three DeepSpeed 0.19 traps are handled here, once:
   on an architecture-specific entry such as ``9.0a`` ("invalid literal for
   int() with base 10: '0a'", seen on an H200 machine). Our ops are host C++
   with no device code, so they are built with the suffixes dropped
-  (:func:`arch_list_deepspeed_sorts`); the user's variable is restored after.
+  (:func:`arch_list_without_suffixes`); the user's variable is restored after.
 
 The ops are built (JIT, minutes) into ``<venv>/torch_ext`` unless the user's
 ``TORCH_EXTENSIONS_DIR`` says otherwise: one cache per virtualenv, also for a
@@ -53,7 +53,7 @@ def use_venv_extension_cache() -> None:
         os.environ["TORCH_EXTENSIONS_DIR"] = os.environ[_CHOSEN_DIR_VAR] = ours
 
 
-def arch_list_deepspeed_sorts(arch_list: str) -> str:
+def arch_list_without_suffixes(arch_list: str) -> str:
     """``TORCH_CUDA_ARCH_LIST`` without the letter suffixes of architecture-specific targets ("9.0a" -> "9.0").
 
     Separators and ``+PTX`` are kept; DeepSpeed 0.19 parses each entry's
@@ -67,7 +67,7 @@ def _arch_list_deepspeed_sorts() -> Iterator[None]:
     """Build DeepSpeed ops under an arch list its JIT build can sort (see module doc)."""
     name = "TORCH_CUDA_ARCH_LIST"
     current = os.environ.get(name)
-    usable = arch_list_deepspeed_sorts(current) if current else current
+    usable = arch_list_without_suffixes(current) if current else current
     if usable == current:
         yield
         return

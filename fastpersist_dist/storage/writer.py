@@ -211,10 +211,6 @@ def needs_host_copy(data: torch.Tensor) -> bool:
     return data.device.type != "cpu" or not data.is_contiguous()
 
 
-def _nbytes(data: torch.Tensor) -> int:
-    return data.numel() * data.element_size()
-
-
 def host_bytes(data: torch.Tensor) -> torch.Tensor:
     """1-D uint8 host bytes of ``data``: a view of contiguous host memory, else a copy."""
     host = data.detach()
@@ -262,7 +258,7 @@ class _HostBytesAhead:
             if self._copies.pop(0)[2]:
                 self._ring.give_back_oldest()
         data = self._items[len(self.digests)].data
-        cost = _nbytes(data) if needs_host_copy(data) else 0
+        cost = data.nbytes if needs_host_copy(data) else 0
         if cost and self._ring is not None and cost <= self._ring.capacity:
             offset = self._ring.take(cost)
             return None if offset is None else (cost, offset)
@@ -423,7 +419,7 @@ def _stream(
     """
     where = "writing"
     shown = progress.task("write", sum(item.record.length for item in items))
-    staged = [d for d in (item.data for item in items) if needs_host_copy(d) and _nbytes(d) <= HOST_COPY_BYTES]
+    staged = [d for d in (item.data for item in items) if needs_host_copy(d) and d.nbytes <= HOST_COPY_BYTES]
     on_device = any(d.device.type != "cpu" for d in staged)
     staging = staging_block(HOST_COPY_BYTES, pinned=on_device) if staged else nullcontext()
     # The block is given up last: after the checksum thread has finished with it, whatever happened.
