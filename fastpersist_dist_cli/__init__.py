@@ -92,6 +92,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _state_args(p: argparse.ArgumentParser) -> None:
     """Ranks, parallel layout, size and repetitions of the benchmark state."""
     p.add_argument("--ranks", type=_positive_int, default=2, help="number of ranks (default 2)")
@@ -132,6 +139,10 @@ def parser() -> argparse.ArgumentParser:
     _state_args(t)
     t.add_argument("--steps", type=_positive_int, default=30, help="loop steps (default 30)")
     t.add_argument("--every", type=_positive_int, default=10, help="checkpoint every K steps (default 10)")
+    t.add_argument("--compute-ms", type=_non_negative_float, default=None,
+                   help="matrix products per step besides the update, calibrated to take this long on the idle "
+                        "machine (default: none on a host; with a GPU, whose update alone takes milliseconds, a short "
+                        "training step's worth; the run's first line says how much)")
     t.add_argument("--contenders", default=None, help="comma-separated, with 'none' (default: none, torch_dist, "
                    "fastpersist_megatron_queue, fastpersist)")
     t.add_argument("--json", metavar="PATH", help="also write the report as JSON")

@@ -105,9 +105,10 @@ def test_sweep_table_and_argument_check():
 
 def test_training_loop_benchmark_tiny(tmp_path):
     """Every loop contender runs with async checkpoints and reports its figures (no timing assertions)."""
-    cfg = LoopConfig(BenchConfig(gib=0.02, reps=1, directory=str(tmp_path / "t")), steps=5, every=2)
+    cfg = LoopConfig(BenchConfig(gib=0.02, reps=1, directory=str(tmp_path / "t")), steps=5, every=2, compute_ms=5)
     assert cfg.save_steps == [2, 4]
     report = training_loop.run(cfg, progress=lambda _: None)
+    assert report["compute_ms"] == 5 and report["matmuls_per_step"] >= 1  # calibrated on the ranks
     rows = {r["name"]: r for r in report["rows"]}
     assert list(rows) == list(DEFAULT_LOOP_CONTENDERS)
     assert "slowdown_pct" not in rows["none"]
@@ -123,11 +124,19 @@ def test_training_loop_benchmark_tiny(tmp_path):
     assert "copy_floor_pct" not in rows["torch_dist"]
     table = training_loop.format_loop_table(report)
     assert all(name in table for name in rows) and "slowdown" in table and "copy floor:" in table
+    assert f"plus {report['matmuls_per_step']} matmuls (calibrated to 5 ms" in table
     assert not list((tmp_path / "t").iterdir())  # every checkpoint removed
 
 
+def test_matmuls_for_a_step():
+    assert training_loop.matmuls_for(0, 0.002) == 0
+    assert training_loop.matmuls_for(250, 0.002) == 125
+    assert training_loop.matmuls_for(1, 0.5) == 1  # any asked for: at least one
+
+
 def test_bench_train_rejects_bad_arguments():
-    for args in (["--contenders", "fastpersist"], ["--steps", "3", "--every", "3"], ["--contenders", "none,nope"]):
+    for args in (["--contenders", "fastpersist"], ["--steps", "3", "--every", "3"], ["--contenders", "none,nope"],
+                 ["--compute-ms", "-1"]):
         proc = subprocess.run([sys.executable, "-m", "fastpersist_dist_cli", "bench-train", *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "bench-train:" in proc.stderr, (args, proc.stderr[-2000:])
@@ -147,6 +156,7 @@ def test_bench_train_command_writes_json(tmp_path):
     assert list(rows) == ["none", "fastpersist"] and report["save_steps"] == [2]
     assert rows["fastpersist"]["call_s"] is None and rows["fastpersist"]["first_call_s"] > 0  # one save: no later call
     assert rows["fastpersist"]["durable_s"] > 0 and rows["fastpersist"]["sync_s"] > 0
+    assert report["compute_ms"] == 0 and report["matmuls_per_step"] == 0  # a host's default: the update is the step
     assert report["copy_floor_s"] > 0 and "copy floor:" in proc.stdout
     assert "slowdown" in proc.stdout and "fastpersist" in proc.stdout
 

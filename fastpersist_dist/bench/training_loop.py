@@ -2,7 +2,11 @@
 
 Each rank runs a loop that rewrites its whole GPT-shaped state in place every
 step (``mul_`` + ``add_`` over every tensor: memory-bound, like an optimizer
-step) and checkpoints asynchronously every K steps into a fresh directory,
+step), optionally followed by a fixed amount of matrix products (calibrated
+once to take ``compute_ms`` on the idle machine; on a GPU by default, where the
+update alone takes milliseconds), waits for its device at the end of the step
+(as a trainer's ``loss.item()`` does), and checkpoints asynchronously every K
+steps into a fresh directory,
 finalizing without blocking at every step, as a trainer does. The loop's time
 is compared with the same loop without checkpoints, in the same run
 (repetitions interleaved). Also measured: how long each save call blocked,
@@ -14,8 +18,8 @@ every step of one more loop per contender, in fresh rank processes: in the
 timed run, a contender would reuse the heap that the one before it left).
 Beside them, in the same run, the copy floor of our call: every rank copying
 as many bytes as its data file holds (its snapshot and a few KiB of framing)
-into mapped shared memory at the same instant, the least that a call which
-copies the state can block.
+from its state's device into mapped shared memory (page-locked for a GPU) at
+the same instant, the least that a call which copies the state can block.
 """
 
 from __future__ import annotations
@@ -45,13 +49,29 @@ from .gpt_state import GptShape, gpt_sharded_state_dict
 from .runner import GiB, BenchConfig, _bytes_per_rank, _over_ranks, balanced_order, init_rank, on_ranks
 
 
+ACCELERATOR_COMPUTE_MS = 250.0
+
+
+def default_compute_ms() -> float:
+    """Matmul time per step when not given: none on a host, where rewriting the state is a step's
+    worth of memory traffic (about 50 ms for 0.5 GiB), and ``ACCELERATOR_COMPUTE_MS`` on a GPU, which
+    rewrites it in milliseconds: saves every 10 steps would otherwise always overlap, whatever the backend."""
+    return ACCELERATOR_COMPUTE_MS if torch.cuda.is_available() else 0.0
+
+
 @dataclass(frozen=True)
 class LoopConfig:
-    """The loop: ``steps`` steps, an async checkpoint every ``every`` steps (not at the last one)."""
+    """The loop: ``steps`` steps, an async checkpoint every ``every`` steps (not at the last one), and
+    ``compute_ms`` of matrix products per step besides the update (None: :func:`default_compute_ms`)."""
 
     bench: BenchConfig
     steps: int = 30
     every: int = 10
+    compute_ms: Optional[float] = None
+
+    @property
+    def step_compute_ms(self) -> float:
+        return default_compute_ms() if self.compute_ms is None else self.compute_ms
 
     @property
     def save_steps(self) -> list[int]:
@@ -228,10 +248,60 @@ def host_memory(include_writer: bool) -> int:
 # ----------------------------------------------------------------------------- the loop
 
 
-def train_step(tensors: list[torch.Tensor]) -> None:
-    """Rewrite every element in place: two memory-bound passes, like an optimizer step."""
+def matmuls_for(compute_ms: float, seconds_each: float) -> int:
+    """How many products of ``seconds_each`` make ``compute_ms`` (at least one where any is asked for)."""
+    return 0 if compute_ms <= 0 else max(1, round(compute_ms / 1000 / seconds_each))
+
+
+@dataclass
+class StepCompute:
+    """A step's fixed matmul work: ``count`` products of an n x n matrix with itself, on the state's device.
+
+    Fixed work rather than a fixed duration, so that a checkpoint slowing the
+    products down (memory bandwidth, cores, the device) shows as a slower loop.
+    """
+
+    matrix: torch.Tensor
+    out: torch.Tensor
+    count: int = 0
+
+    def run(self) -> None:
+        for _ in range(self.count):
+            torch.mm(self.matrix, self.matrix, out=self.out)
+
+
+def calibrated_compute(device: torch.device, compute_ms: float) -> StepCompute:
+    """Collective: the step's matmul work, as many products as take ``compute_ms`` on the slowest rank now."""
+    n = 4096 if device.type != "cpu" else 256  # a few ms each: one core of a host, or a whole GPU
+    matrix = torch.randn(n, n, device=device) / n ** 0.5
+    compute = StepCompute(matrix, torch.empty_like(matrix))
+    if compute_ms <= 0:
+        return compute
+    compute.count = 2
+    compute.run()  # warm-up: kernels chosen, pages touched
+    _synchronize(device)
+    done, start = 0, time.perf_counter()
+    compute.count = 1
+    while (elapsed := time.perf_counter() - start) < 0.2:
+        compute.run()
+        _synchronize(device)
+        done += 1
+    compute.count = matmuls_for(compute_ms, _over_ranks(elapsed / done))
+    return compute
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def train_step(tensors: list[torch.Tensor], compute: StepCompute) -> None:
+    """Rewrite every element in place (two memory-bound passes, like an optimizer step), then the step's
+    products; return once the device is done, as a trainer's ``loss.item()`` does."""
     for t in tensors:
         t.mul_(0.999).add_(1e-3)
+    compute.run()
+    _synchronize(compute.matrix.device)
 
 
 def _remove(path: str) -> None:
@@ -239,15 +309,15 @@ def _remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], cfg: LoopConfig, root: str,
-             baseline: Optional[int] = None) -> LoopRun:
+def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], compute: StepCompute, cfg: LoopConfig,
+             root: str, baseline: Optional[int] = None) -> LoopRun:
     """The loop with ``cp``'s checkpoints; times are this rank's; peak memory above ``baseline`` if given."""
     run, pending = LoopRun(), []
     peak = 0
     with cp.shims():
         for step in range(1, cfg.steps + 1):
             start = time.perf_counter()
-            train_step(tensors)
+            train_step(tensors, compute)
             if cp.checkpoints and step in cfg.save_steps:
                 ckpt = os.path.join(root, f"step{step}")
                 prepare_checkpoint_dir(ckpt)
@@ -278,16 +348,16 @@ def timed_sync_save(cp: _Checkpointer, sd: dict, root: str) -> float:
         return time.perf_counter() - start
 
 
-def copy_floor_s(nbytes: int, reps: int = 3) -> float:
-    """Collective: seconds for every rank to copy ``nbytes`` into mapped shared memory at the same instant.
+def copy_floor_s(nbytes: int, device: torch.device, reps: int = 3) -> float:
+    """Collective: seconds for every rank to copy ``nbytes`` from ``device`` into mapped shared memory at once.
 
     What our async call does at least (its copy into the reused snapshot
-    buffer, without describing, planning or megatron's own steps, by the same
-    :func:`copy_to_host`): median of ``reps`` copies, slowest rank. Source and
-    destination pages are touched first.
+    buffer, page-locked for an accelerator, without describing, planning or
+    megatron's own steps, by the same :func:`copy_to_host`): median of ``reps``
+    copies, slowest rank. Source and destination pages are touched first.
     """
-    source = torch.ones(nbytes, dtype=torch.uint8)
-    buffer = SharedBuffer(nbytes)
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    buffer = SharedBuffer(nbytes, pinned=device.type != "cpu")
     times = []
     try:
         copy_to_host(buffer.tensor, source)
@@ -309,36 +379,49 @@ def _fresh_root(rank: int, root: str) -> None:
     dist.barrier()
 
 
-def _trainer(rank: int, b: BenchConfig, port: int) -> tuple[GptShape, dict, list[torch.Tensor]]:
+@dataclass
+class _Trainer:
+    """A rank's training state: the sharded state dict, its tensors and the step's matmul work."""
+
+    shape: GptShape
+    sd: dict
+    tensors: list[torch.Tensor]
+    compute: StepCompute
+
+
+def _trainer(rank: int, cfg: LoopConfig, port: int) -> _Trainer:
     """A rank at start-up: its state, every page of it touched once (the memory baseline holds it all)."""
+    b = cfg.bench
     device = init_rank(rank, b.ranks, port)
     shape = GptShape.for_bytes(int(b.gib * GiB), b.tp)
     sd = gpt_sharded_state_dict(shape, b.tp, rank, b.ranks, device=device)
     tensors = [sh.data for sh in sd.values()]
-    train_step(tensors)
-    return shape, sd, tensors
+    compute = calibrated_compute(device, cfg.step_compute_ms)
+    train_step(tensors, compute)
+    return _Trainer(shape, sd, tensors, compute)
 
 
 def _memory_probe(rank: int, cfg: LoopConfig, name: str, port: int) -> int:
     """Peak extra host memory of this rank over one loop with ``name``'s checkpoints, in a fresh process."""
     b = cfg.bench
-    _, sd, tensors = _trainer(rank, b, port)
+    t = _trainer(rank, cfg, port)
     baseline = host_memory(include_writer=False)
     cp = CHECKPOINTERS[name](b)
-    cp.start(sd)
+    cp.start(t.sd)
     root = os.path.join(b.directory, f"train-{name}-memory")
     _fresh_root(rank, root)
-    run = run_loop(cp, sd, tensors, cfg, root, baseline)
+    run = run_loop(cp, t.sd, t.tensors, t.compute, cfg, root, baseline)
     dist.barrier()
     _remove(root)
     return int(_over_ranks(float(run.extra_bytes)))
 
 
 def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...],
-               port: int) -> tuple[int, dict, Optional[CopyFloor]]:
+               port: int) -> tuple[int, int, dict, Optional[CopyFloor]]:
     b = cfg.bench
     snapshot_bytes = 0  # this rank's data file in our synchronous save: its snapshot and their framing
-    shape, sd, tensors = _trainer(rank, b, port)
+    t = _trainer(rank, cfg, port)
+    sd = t.sd
     FastPersistSaveStrategy(config=b.write).load_ops()  # at start-up, as docs/async.md advises
     checkpointers = {name: CHECKPOINTERS[name](b) for name in contenders}
     runs: dict[str, list[LoopRun]] = {name: [] for name in contenders}
@@ -349,7 +432,7 @@ def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...],
             if rep == 0:
                 cp.start(sd)
             _fresh_root(rank, root)
-            run = run_loop(cp, sd, tensors, cfg, root)
+            run = run_loop(cp, sd, t.tensors, t.compute, cfg, root)
             if cp.checkpoints and cfg.save_steps:
                 run.sync_s = timed_sync_save(cp, sd, root)
                 if cp.uses_writer:
@@ -361,8 +444,9 @@ def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...],
                 print(f"bench-train: {name} {rep + 1}/{b.reps}: loop {runs[name][-1].loop_s:.2f} s",
                       file=sys.stderr, flush=True)
     ours = tuple(name for name, cp in checkpointers.items() if cp.uses_writer)
-    floor = CopyFloor(int(_over_ranks(snapshot_bytes)), copy_floor_s(snapshot_bytes), ours) if ours else None
-    return shape.total_bytes(), runs, floor
+    floor = (CopyFloor(int(_over_ranks(snapshot_bytes)), copy_floor_s(snapshot_bytes, t.compute.matrix.device), ours)
+             if ours else None)
+    return t.shape.total_bytes(), t.compute.count, runs, floor
 
 
 def _slowest(run: LoopRun) -> LoopRun:
@@ -381,15 +465,15 @@ def run(cfg: LoopConfig, contenders: tuple[str, ...] = DEFAULT_LOOP_CONTENDERS,
     os.makedirs(b.directory, exist_ok=True)
     shape = GptShape.for_bytes(int(b.gib * GiB), b.tp)
     progress(f"bench-train: {b.ranks} ranks (TP={b.tp}), {shape.total_bytes() / GiB:.2f} GiB state, {cfg.steps} "
-             f"steps, async checkpoint at steps {cfg.save_steps}, {b.reps} reps of {', '.join(contenders)} "
-             f"in {b.directory}")
-    nbytes, runs, floor = on_ranks(b.ranks, _rank_main, cfg, contenders)[0]
+             f"steps with {cfg.step_compute_ms:g} ms of matmuls each, async checkpoint at steps {cfg.save_steps}, "
+             f"{b.reps} reps of {', '.join(contenders)} in {b.directory}")
+    nbytes, matmuls, runs, floor = on_ranks(b.ranks, _rank_main, cfg, contenders)[0]
     memory: dict[str, int] = {}
     for name in contenders:
         if name != "none":
             progress(f"bench-train: {name}: host memory, one loop in fresh processes")
             memory[name] = on_ranks(b.ranks, _memory_probe, cfg, name)[0]
-    return report(cfg, nbytes, runs, memory, floor)
+    return report(cfg, nbytes, runs, memory, floor, matmuls)
 
 
 def _med(values: list[float]) -> Optional[float]:
@@ -397,10 +481,10 @@ def _med(values: list[float]) -> Optional[float]:
 
 
 def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory: dict[str, int],
-           floor: Optional[CopyFloor] = None) -> dict:
+           floor: Optional[CopyFloor] = None, matmuls: int = 0) -> dict:
     """Medians over repetitions of the slowest rank's figures, the slowdown against the plain loop,
-    ``memory``: each contender's peak extra host memory per rank (bytes, largest rank), and the copy
-    floor of our calls, if one of ours ran."""
+    ``memory``: each contender's peak extra host memory per rank (bytes, largest rank), the copy
+    floor of our calls, if one of ours ran, and the step's calibrated ``matmuls``."""
     reference = _med([r.loop_s for r in runs["none"]]) if "none" in runs else None
     rows = []
     for name, reps in runs.items():
@@ -427,7 +511,7 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory:
         rows.append(row)
     notes = [] if torch.cuda.is_available() else [SHIM_NOTE]
     return {"ranks": cfg.bench.ranks, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
-            "save_steps": cfg.save_steps, "reps": cfg.bench.reps, "directory": cfg.bench.directory,
+            "compute_ms": cfg.step_compute_ms, "matmuls_per_step": matmuls, "save_steps": cfg.save_steps, "reps": cfg.bench.reps, "directory": cfg.bench.directory,
             "copy_floor_bytes": floor.nbytes if floor else None, "copy_floor_s": floor.seconds if floor else None,
             "rows": rows, "notes": notes}
 
@@ -436,11 +520,17 @@ def _f(value: Optional[float], fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _compute_words(rep: dict) -> str:
+    if not rep["matmuls_per_step"]:
+        return ""
+    return f" plus {rep['matmuls_per_step']} matmuls (calibrated to {rep['compute_ms']:g} ms on the idle machine)"
+
+
 def format_loop_table(rep: dict) -> str:
     """The report as a text table."""
     lines = [
         f"training loop: {rep['ranks']} ranks, TP={rep['tp']}, {rep['bytes'] / GiB:.2f} GiB state rewritten in place "
-        f"every step, {rep['steps']} steps, async checkpoints at steps {rep['save_steps']} into {rep['directory']}; "
+        f"every step{_compute_words(rep)}, {rep['steps']} steps, async checkpoints at steps {rep['save_steps']} into {rep['directory']}; "
         f"median of {rep['reps']} (slowest rank); 'call' = the save call blocking the loop, first of the process "
         f"apart; 'sync' = a synchronous save of the same state by the same backend; 'durable' = call to commit, "
         f"seen by the next step's finalize",
@@ -468,7 +558,8 @@ def format_loop_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional[str]) -> Optional[dict]:
+def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional[str],
+                compute_ms: Optional[float] = None) -> Optional[dict]:
     """:func:`run` for ``fastpersist-dist bench-train``: None, after saying why on stderr, on bad arguments."""
     names = tuple(contenders.split(",")) if contenders else DEFAULT_LOOP_CONTENDERS
     unknown = set(names) - set(CHECKPOINTERS)
@@ -476,4 +567,4 @@ def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional
         print(f"bench-train: contenders must include 'none' and be among {sorted(CHECKPOINTERS)} "
               f"(unknown: {sorted(unknown)}); --every must be below --steps", file=sys.stderr)
         return None
-    return run(LoopConfig(bench, steps, every), names, progress=lambda m: print(m, file=sys.stderr))
+    return run(LoopConfig(bench, steps, every, compute_ms), names, progress=lambda m: print(m, file=sys.stderr))
