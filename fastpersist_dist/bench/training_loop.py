@@ -272,16 +272,15 @@ class StepCompute:
 
 def calibrated_compute(device: torch.device, compute_ms: float) -> StepCompute:
     """Collective: the step's matmul work, as many products as take ``compute_ms`` on the slowest rank now."""
+    if compute_ms <= 0:
+        none = torch.empty(0, 0, device=device)
+        return StepCompute(none, none, count=0)
     n = 4096 if device.type != "cpu" else 256  # a few ms each: one core of a host, or a whole GPU
     matrix = torch.randn(n, n, device=device) / n ** 0.5
-    compute = StepCompute(matrix, torch.empty_like(matrix))
-    if compute_ms <= 0:
-        return compute
-    compute.count = 2
+    compute = StepCompute(matrix, torch.empty_like(matrix), count=1)
     compute.run()  # warm-up: kernels chosen, pages touched
     _synchronize(device)
     done, start = 0, time.perf_counter()
-    compute.count = 1
     while (elapsed := time.perf_counter() - start) < 0.2:
         compute.run()
         _synchronize(device)
@@ -421,7 +420,6 @@ def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...],
     b = cfg.bench
     snapshot_bytes = 0  # this rank's data file in our synchronous save: its snapshot and their framing
     t = _trainer(rank, cfg, port)
-    sd = t.sd
     FastPersistSaveStrategy(config=b.write).load_ops()  # at start-up, as docs/async.md advises
     checkpointers = {name: CHECKPOINTERS[name](b) for name in contenders}
     runs: dict[str, list[LoopRun]] = {name: [] for name in contenders}
@@ -430,11 +428,11 @@ def _rank_main(rank: int, cfg: LoopConfig, contenders: tuple[str, ...],
             cp = checkpointers[name]
             root = os.path.join(b.directory, f"train-{name}-{rep}")
             if rep == 0:
-                cp.start(sd)
+                cp.start(t.sd)
             _fresh_root(rank, root)
-            run = run_loop(cp, sd, t.tensors, t.compute, cfg, root)
+            run = run_loop(cp, t.sd, t.tensors, t.compute, cfg, root)
             if cp.checkpoints and cfg.save_steps:
-                run.sync_s = timed_sync_save(cp, sd, root)
+                run.sync_s = timed_sync_save(cp, t.sd, root)
                 if cp.uses_writer:
                     snapshot_bytes = _bytes_per_rank(os.path.join(root, "sync"))[rank]
             dist.barrier()
@@ -511,7 +509,8 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory:
         rows.append(row)
     notes = [] if torch.cuda.is_available() else [SHIM_NOTE]
     return {"ranks": cfg.bench.ranks, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
-            "compute_ms": cfg.step_compute_ms, "matmuls_per_step": matmuls, "save_steps": cfg.save_steps, "reps": cfg.bench.reps, "directory": cfg.bench.directory,
+            "compute_ms": cfg.step_compute_ms, "matmuls_per_step": matmuls, "save_steps": cfg.save_steps,
+            "reps": cfg.bench.reps, "directory": cfg.bench.directory,
             "copy_floor_bytes": floor.nbytes if floor else None, "copy_floor_s": floor.seconds if floor else None,
             "rows": rows, "notes": notes}
 
