@@ -3,7 +3,8 @@
 #   scripts/gpu_check.sh /mnt/nvme/fp_gpu_check
 # 1. tests/test_gpu.py (marker gpu): GPU tensors saved and loaded bit-exactly in both formats,
 #    async snapshots copied device-to-host into page-locked memory. Fails rather than skips.
-# 2. the benchmark on that directory (put it on the NVMe), one GPU per rank, NCCL.
+# 2. the benchmark on that directory (put it on the NVMe), one GPU per rank, NCCL (ranks beyond the
+#    GPUs would share them under gloo).
 # PYTHON (default .venv/bin/python), RANKS (default: every GPU), GIB (default 4) override.
 # The bench runs through fastpersist_dist_cli, whose main asks for CUDA through NVML before
 # anything else can, so the ranks it forks can still initialize CUDA (docs/performance.md, "GPU").

@@ -15,7 +15,8 @@ import pytest
 from fastpersist_dist.bench import training_loop
 from fastpersist_dist.bench.baselines import CHECKSUMMED_BOUND, CONTENDERS
 from fastpersist_dist.bench.gpt_state import GptShape, gpt_sharded_state_dict
-from fastpersist_dist.bench.runner import BenchConfig, _cpu_timed, balanced_order, init_rank, on_ranks
+from fastpersist_dist.bench.runner import (BenchConfig, _cpu_timed, balanced_order, init_rank, on_ranks,
+                                           process_group_backend)
 from fastpersist_dist.bench.sweep import SEARCH, format_sweep
 from fastpersist_dist.bench.training_loop import DEFAULT_LOOP_CONTENDERS, LoopConfig
 from fastpersist_dist.config import WriteConfig
@@ -126,6 +127,12 @@ def test_training_loop_benchmark_tiny(tmp_path):
     assert all(name in table for name in rows) and "slowdown" in table and "copy floor:" in table
     assert f"plus {report['matmuls_per_step']} matmuls (calibrated to 5 ms" in table
     assert not list((tmp_path / "t").iterdir())  # every checkpoint removed
+
+
+def test_process_group_backend_takes_nccl_only_with_a_gpu_per_rank():
+    assert process_group_backend(2, 0) == "gloo"  # a host
+    assert process_group_backend(2, 2) == "nccl" and process_group_backend(1, 8) == "nccl"
+    assert process_group_backend(2, 1) == "gloo"  # NCCL refuses two ranks on one GPU
 
 
 def test_matmuls_for_a_step():

@@ -52,6 +52,8 @@ from ..writer_process import writer_client
 from .baselines import CONTENDERS, DEVICE_BOUND, SHIM_NOTE
 from .gpt_state import GptShape, gpt_sharded_state_dict
 
+logger = logging.getLogger(__name__)
+
 GiB = 2**30
 OPS = ("save", "load", "reshard")
 
@@ -152,18 +154,30 @@ def _bytes_per_rank(ckpt: str) -> list[int]:
     return [index.files.get(fmt.data_file(r), 0) for r in range(index.world_size)]
 
 
+def process_group_backend(world: int, gpus: int) -> str:
+    """NCCL where every rank has a GPU of its own; gloo on a host, and where ranks share GPUs (NCCL refuses
+    two ranks on one device), so that the default two ranks also run on a one-GPU machine."""
+    return "nccl" if 0 < world <= gpus else "gloo"
+
+
 def init_rank(rank: int, world: int, port: int) -> torch.device:
-    """Join the benchmark's process group (NCCL on GPUs, else gloo); the device the rank's state lives on."""
+    """Join the benchmark's process group (see :func:`process_group_backend`); the device the rank's state lives on.
+
+    With GPUs, ranks take them round-robin.
+    """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if world > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # as torchrun does: N ranks x all cores of torch's pool each oversubscribe the host
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its SSD-endurance warning on every aio write
-    gpu = torch.cuda.is_available()  # first CUDA call of this (forked) rank: the parent made none
-    if gpu:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=30))
-    return torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # this forked rank's first CUDA call
+    if gpus:
+        torch.cuda.set_device(rank % gpus)
+    backend = process_group_backend(world, gpus)
+    if gpus and backend == "gloo" and rank == 0:
+        logger.warning("bench: %d ranks share %d GPU(s): the process group is gloo (NCCL takes one rank per GPU)",
+                       world, gpus)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+    return torch.device("cuda", torch.cuda.current_device()) if gpus else torch.device("cpu")
 
 
 def _rank_main(rank: int, cfg: BenchConfig, port: int) -> tuple[GptShape, list[Result]]:

@@ -529,7 +529,8 @@ def format_loop_table(rep: dict) -> str:
     """The report as a text table."""
     lines = [
         f"training loop: {rep['ranks']} ranks, TP={rep['tp']}, {rep['bytes'] / GiB:.2f} GiB state rewritten in place "
-        f"every step{_compute_words(rep)}, {rep['steps']} steps, async checkpoints at steps {rep['save_steps']} into {rep['directory']}; "
+        f"every step{_compute_words(rep)}, {rep['steps']} steps, async checkpoints at steps {rep['save_steps']} "
+        f"into {rep['directory']}; "
         f"median of {rep['reps']} (slowest rank); 'call' = the save call blocking the loop, first of the process "
         f"apart; 'sync' = a synchronous save of the same state by the same backend; 'durable' = call to commit, "
         f"seen by the next step's finalize",
