@@ -1,5 +1,6 @@
 """Each virtualenv keeps its own built DeepSpeed ops: using one venv never rebuilds another's;
-a CUDA arch list DeepSpeed cannot parse does not stop them from building.
+a CUDA arch list DeepSpeed cannot parse does not stop them from building; a failed build advises
+installing libaio only where DeepSpeed finds none.
 
 The venv test needs a second venv: ``FASTPERSIST_OTHER_PYTHON=<other venv>/bin/python`` (``.ci/run``
 sets it in its second run, pointing at the first).
@@ -14,7 +15,7 @@ import sys
 
 import pytest
 
-from fastpersist_dist.storage.deepspeed_ops import _arch_list_deepspeed_sorts, use_venv_extension_cache
+from fastpersist_dist.storage.deepspeed_ops import _arch_list_deepspeed_sorts, _libaio_hint, use_venv_extension_cache
 
 OTHER_PYTHON = os.environ.get("FASTPERSIST_OTHER_PYTHON")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,3 +98,14 @@ def test_an_arch_list_deepspeed_cannot_sort_is_built_without_its_suffixes_and_re
     with _arch_list_deepspeed_sorts():
         assert builder.compute_capability_args() == flags
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == arch_list
+
+
+def test_the_libaio_advice_is_given_only_where_deepspeed_finds_no_libaio():
+    """A build failing for another reason (libaio there) must not blame libaio; without a working
+    compiler DeepSpeed's own check finds none, and the advice is given."""
+    assert _libaio_hint() == ""  # scripts/setup.sh installed libaio-dev
+    probe = "from fastpersist_dist.storage.deepspeed_ops import _libaio_hint; print(repr(_libaio_hint()))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "CC": "false"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is libaio-dev installed?" in proc.stdout.strip().splitlines()[-1]

@@ -90,10 +90,25 @@ def aio_module() -> Any:
             with _arch_list_deepspeed_sorts():
                 _AIO_MODULE = AsyncIOBuilder().load(verbose=False)
         except Exception as e:  # noqa: BLE001 - any build/load failure means "no aio"
-            _AIO_ERROR = f"{type(e).__name__}: {e}"
+            _AIO_ERROR = f"{type(e).__name__}: {e}{_libaio_hint()}"
     if _AIO_MODULE is None:
-        raise RuntimeError(f"DeepSpeed async_io op unavailable ({_AIO_ERROR}); is libaio-dev installed?")
+        raise RuntimeError(f"DeepSpeed async_io op unavailable ({_AIO_ERROR})")
     return _AIO_MODULE
+
+
+def _libaio_hint() -> str:
+    """After a failed build: the libaio advice where DeepSpeed's own check finds no libaio, else nothing.
+
+    The advice alone misled when the build failed for another reason (the arch
+    list above, with libaio installed).
+    """
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        found = AsyncIOBuilder().is_compatible(verbose=False)  # compiles and links a call of io_submit
+    except Exception:  # noqa: BLE001 - no answer: give the advice
+        found = False
+    return "" if found else "; DeepSpeed finds no libaio: is libaio-dev installed?"
 
 
 def aio_available() -> bool:
