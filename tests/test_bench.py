@@ -117,6 +117,9 @@ def test_training_loop_benchmark_tiny(tmp_path):
         r = rows[name]
         assert r["first_call_s"] > 0 and r["call_s"] > 0 and r["sync_s"] > 0, r
         assert r["durable_s"] > 0 and r["extra_gib"] >= 0 and "slowdown_pct" in r, r
+    for name in ("torch_dist", "fastpersist_megatron_queue", "fastpersist"):  # a first save never overlaps
+        r = rows[name]
+        assert r["saves"] == 2 and r["overlapped"] in (0, 1) and r["durable_alone_s"] > 0, r
     # ours holds a snapshot buffer per save in flight and its writer process: more than nothing
     assert rows["fastpersist"]["extra_gib"] > 0
     # the copy floor of our calls: a rank's data file copied at once by every rank, set against our sync saves
@@ -139,6 +142,20 @@ def test_matmuls_for_a_step():
     assert training_loop.matmuls_for(0, 0.002) == 0
     assert training_loop.matmuls_for(250, 0.002) == 125
     assert training_loop.matmuls_for(1, 0.5) == 1  # any asked for: at least one
+
+
+def test_loop_report_sets_saves_that_overlapped_apart():
+    """Durable 'alone' is over the saves called with none in flight; the overlap count is of all saves."""
+    cfg = LoopConfig(BenchConfig(gib=0.02, reps=2), steps=5, every=2)
+    runs = {"none": [training_loop.LoopRun(loop_s=1.0)] * 2,
+            "fastpersist": [training_loop.LoopRun(loop_s=1.5, calls_s=[0.1, 0.1], durable_s=[0.5, 1.5], sync_s=1.0,
+                                                  overlapped=[False, True]),
+                            training_loop.LoopRun(loop_s=1.5, calls_s=[0.1, 0.1], durable_s=[0.7, 0.6], sync_s=1.0,
+                                                  overlapped=[False, False])]}
+    row = training_loop.report(cfg, 1 << 20, runs, {"fastpersist": 0})["rows"][1]
+    assert (row["saves"], row["overlapped"]) == (4, 1)
+    assert row["durable_s"] == pytest.approx(0.65) and row["durable_alone_s"] == pytest.approx(0.6)
+    assert row["durable_alone_x_sync"] == pytest.approx(0.6)
 
 
 def test_bench_train_rejects_bad_arguments():

@@ -12,7 +12,10 @@ is compared with the same loop without checkpoints, in the same run
 (repetitions interleaved). Also measured: how long each save call blocked,
 against a synchronous save of the same state by the same backend; the time from
 the call until the checkpoint was committed (seen at the next step's finalize,
-so with one step's resolution); and the extra host memory of the rank (its
+so with one step's resolution), also over only the saves called with no earlier
+one still in flight (one that finds one queues behind it at the writer: its
+time to durable then measures the checkpoint interval against the write, not a
+save); and the extra host memory of the rank (its
 processes' memory above what the rank held before any checkpoint, sampled at
 every step of one more loop per contender, in fresh rank processes: in the
 timed run, a contender would reuse the heap that the one before it left).
@@ -193,7 +196,8 @@ class LoopRun:
 
     loop_s: float = 0.0
     calls_s: list[float] = field(default_factory=list)
-    durable_s: list[float] = field(default_factory=list)
+    durable_s: list[float] = field(default_factory=list)  # per save, in call order (finalized in order)
+    overlapped: list[bool] = field(default_factory=list)  # per save: an earlier one still in flight at its call
     drain_s: float = 0.0
     sync_s: float = 0.0
     extra_bytes: int = 0
@@ -320,6 +324,7 @@ def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], compute: 
             if cp.checkpoints and step in cfg.save_steps:
                 ckpt = os.path.join(root, f"step{step}")
                 prepare_checkpoint_dir(ckpt)
+                run.overlapped.append(bool(pending))
                 call = time.perf_counter()
                 cp.save(sd, ckpt)
                 run.calls_s.append(time.perf_counter() - call)
@@ -452,7 +457,7 @@ def _slowest(run: LoopRun) -> LoopRun:
     return LoopRun(
         loop_s=_over_ranks(run.loop_s), calls_s=[_over_ranks(c) for c in run.calls_s],
         durable_s=[_over_ranks(d) for d in run.durable_s], drain_s=_over_ranks(run.drain_s),
-        sync_s=_over_ranks(run.sync_s),
+        sync_s=_over_ranks(run.sync_s), overlapped=[_over_ranks(float(o)) > 0 for o in run.overlapped],
     )
 
 
@@ -494,16 +499,19 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory:
                                "loop_max_s": max(r.loop_s for r in reps)}
         if reference and name != "none":
             saves = len(cfg.save_steps)
+            overlapped = [o for r in reps for o in r.overlapped]
             row.update(
                 slowdown_pct=100 * (loop / reference - 1), lost_per_save_s=(loop - reference) / max(saves, 1),
                 first_call_s=reps[0].calls_s[0] if reps[0].calls_s else None, call_s=_med(later), sync_s=sync,
                 durable_s=_med([d for r in reps for d in r.durable_s]), drain_s=_med([r.drain_s for r in reps]),
-                extra_gib=memory[name] / GiB,
+                extra_gib=memory[name] / GiB, saves=len(overlapped), overlapped=sum(overlapped),
+                durable_alone_s=_med([d for r in reps for d, o in zip(r.durable_s, r.overlapped) if not o]),
             )
             if sync:
                 row["first_call_pct"] = 100 * row["first_call_s"] / sync if row["first_call_s"] else None
                 row["call_pct"] = 100 * row["call_s"] / sync if row["call_s"] is not None else None
                 row["durable_x_sync"] = row["durable_s"] / sync if row["durable_s"] else None
+                row["durable_alone_x_sync"] = row["durable_alone_s"] / sync if row["durable_alone_s"] else None
                 if floor and name in floor.contenders:
                     row["copy_floor_pct"] = 100 * floor.seconds / sync
         rows.append(row)
@@ -533,9 +541,11 @@ def format_loop_table(rep: dict) -> str:
         f"into {rep['directory']}; "
         f"median of {rep['reps']} (slowest rank); 'call' = the save call blocking the loop, first of the process "
         f"apart; 'sync' = a synchronous save of the same state by the same backend; 'durable' = call to commit, "
-        f"seen by the next step's finalize",
+        f"seen by the next step's finalize; 'overlap' = saves called while an earlier one was still in flight (they "
+        f"queue behind it), of all; 'alone/sync' = durable of the others",
         f"{'contender':<28}{'loop s':>16}{'slowdown':>10}{'lost/ckpt s':>12}{'1st call s':>11}{'call s':>8}"
-        f"{'sync s':>8}{'call/sync':>10}{'durable s':>10}{'dur/sync':>9}{'extra GiB/rank':>15}",
+        f"{'sync s':>8}{'call/sync':>10}{'durable s':>10}{'dur/sync':>9}{'overlap':>8}{'alone/sync':>11}"
+        f"{'extra GiB/rank':>15}",
     ]
     for r in rep["rows"]:
         loop = f"{r['loop_s']:.2f} ({r['loop_min_s']:.2f}..{r['loop_max_s']:.2f})"
@@ -546,7 +556,8 @@ def format_loop_table(rep: dict) -> str:
             f"{r['name']:<28}{loop:>16}{_f(r['slowdown_pct'], '.1f') + '%':>10}{_f(r['lost_per_save_s'], '.2f'):>12}"
             f"{_f(r['first_call_s'], '.3f'):>11}{_f(r['call_s'], '.3f'):>8}{_f(r['sync_s'], '.2f'):>8}"
             f"{_f(r.get('call_pct'), '.0f') + '%':>10}{_f(r['durable_s'], '.2f'):>10}"
-            f"{_f(r.get('durable_x_sync'), '.2f') + 'x':>9}{_f(r['extra_gib'], '.2f'):>15}"
+            f"{_f(r.get('durable_x_sync'), '.2f') + 'x':>9}{str(r['overlapped']) + '/' + str(r['saves']):>8}"
+            f"{_f(r.get('durable_alone_x_sync'), '.2f') + 'x':>11}{_f(r['extra_gib'], '.2f'):>15}"
         )
     lines.extend(f"  {r['name']}: {r['what']}" for r in rep["rows"])
     if rep.get("copy_floor_s") is not None:
