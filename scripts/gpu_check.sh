@@ -5,7 +5,10 @@
 #    async snapshots copied device-to-host into page-locked memory. Fails rather than skips.
 # 2. the benchmark on that directory (put it on the NVMe), one GPU per rank, NCCL (ranks beyond the
 #    GPUs would share them under gloo).
-# PYTHON (default .venv/bin/python), RANKS (default: every GPU), GIB (default 4) override.
+# 3. the training-loop benchmark (issue #12's async goals) with at least two ranks: on a one-GPU
+#    machine both share it, under gloo.
+# PYTHON (default .venv/bin/python), RANKS (default: every GPU; the loop takes at least 2), GIB
+# (default 4) override.
 # The bench runs through fastpersist_dist_cli, whose main asks for CUDA through NVML before
 # anything else can, so the ranks it forks can still initialize CUDA (docs/performance.md, "GPU").
 set -euo pipefail
@@ -18,3 +21,5 @@ ranks=${RANKS:-$("$py" -c 'import torch; print(torch.cuda.device_count())')}
 mkdir -p "$dir"
 "$py" -m fastpersist_dist_cli bench --contenders device_bound,fastpersist,fastpersist_async,fastpersist_dcp,torch_dist,torch_save \
     --ranks "$ranks" --tp 1 --gib "${GIB:-4}" --reps 3 --dir "$dir" --json "$dir/gpu_bench.json" --log-level INFO
+"$py" -m fastpersist_dist_cli bench-train --ranks "$(( ranks > 1 ? ranks : 2 ))" --tp 1 --gib "${GIB:-4}" --reps 3 \
+    --dir "$dir" --json "$dir/gpu_bench_train.json"
