@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from fastpersist_dist.storage import host_copy
+from fastpersist_dist.storage import host_copy, shared_memory
 from fastpersist_dist.storage.shared_memory import SharedBuffer
 
 from .multiproc import run_ranks
@@ -76,6 +77,43 @@ def _into_shared_buffer(rank: int, world: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
 def test_copy_into_shared_buffer_keeps_values(dtype):
     run_ranks(1, _into_shared_buffer, dtype)
+
+
+def _mapping_kib(address: int) -> dict[str, int]:
+    """Rss and dirty KiB of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", f.read()):
+            low, high = (int(x, 16) for x in block.split(None, 1)[0].split("-"))
+            if low <= address < high:
+                fields = dict((k, int(v)) for k, v in re.findall(r"^(\w+):\s+(\d+) kB", block, re.M))
+                return {"rss": fields["Rss"], "dirty": fields["Shared_Dirty"] + fields["Private_Dirty"]}
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+_KERNEL = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
+
+
+@pytest.mark.skipif(_KERNEL < (5, 14), reason="MADV_POPULATE_WRITE needs Linux 5.14")
+def test_a_snapshot_buffer_is_populated_for_writing():
+    """Every page resident and already written-to (dirty) before the first copy, which then takes no fault per page."""
+    buffer = SharedBuffer(8 << 20)
+    try:
+        assert _mapping_kib(buffer.tensor.data_ptr()) == {"rss": 8 << 10, "dirty": 8 << 10}
+    finally:
+        buffer.close()
+
+
+def test_without_populate_write_a_buffer_is_populated_for_reading(monkeypatch):
+    """A kernel that refuses the advice (EINVAL, as before 5.14; here an advice no kernel has) still maps every page."""
+    monkeypatch.setattr(shared_memory, "MADV_POPULATE_WRITE", 0x7FFF)
+    buffer = SharedBuffer(8 << 20)
+    try:
+        assert _mapping_kib(buffer.tensor.data_ptr()) == {"rss": 8 << 10, "dirty": 0}
+        pages = buffer.tensor[:: 4096]  # one byte per page: too few elements to start torch's thread pool here
+        pages.fill_(7)
+        assert pages.tolist() == [7] * (2 << 10)
+    finally:
+        buffer.close()
 
 
 def test_strided_and_conjugate_sources_are_copied_as_values():
