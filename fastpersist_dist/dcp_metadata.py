@@ -7,10 +7,17 @@ torch's ``FileSystemReader`` unpickles ``.metadata`` (a
 Megatron keys tensors by ``ShardedTensor.key`` and objects by
 ``ShardedObject.unique_key``; a tensor chunk is the global box of the shard
 (prepended axes included), as megatron's own ``torch_dist`` writes it.
+
+The file is pickled so that every torch from 2.13 on reads it, whichever torch
+wrote it: torch 2.15 added a ``strides`` field to ``TensorProperties``, whose
+pickled state older torch refuses ("too many values to unpack (expected 5)").
+We never set it, and torch 2.15 reads the five-field state as ``strides=None``.
 """
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 import uuid
 from typing import Iterable, Union
@@ -77,6 +84,21 @@ def build_metadata(records: Iterable[ShardRecord], checkpoint_dir: str) -> Metad
     )
 
 
+_FIVE_FIELDS = 5  # TensorProperties' pickled state up to torch 2.14: dtype, layout, requires_grad, memory format, pin_memory
+
+
+def _tensor_properties_portably(props: TensorProperties) -> tuple:
+    """How pickle stores ``props``: as every torch does, with the state cut to the fields all of them read."""
+    state = props.__getstate__()
+    if getattr(props, "strides", None) is None:
+        state = state[:_FIVE_FIELDS]
+    return copyreg.__newobj__, (TensorProperties,), state
+
+
 def metadata_bytes(records: Iterable[ShardRecord], checkpoint_dir: str) -> bytes:
-    """``.metadata`` as torch's ``FileSystemWriter.finish`` pickles it."""
-    return pickle.dumps(build_metadata(records, checkpoint_dir))
+    """``.metadata`` as torch's ``FileSystemWriter.finish`` pickles it, readable by older torch (see above)."""
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out)
+    pickler.dispatch_table = {**copyreg.dispatch_table, TensorProperties: _tensor_properties_portably}
+    pickler.dump(build_metadata(records, checkpoint_dir))
+    return out.getvalue()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pickle
 import sys
 import shutil
 import signal
@@ -149,6 +150,27 @@ def test_torch_dcp_load_reads_it(saved):
     for k, t in tensors.items():
         assert_same(t, want[k].data, k)
 
+
+class _TensorPropertiesUpTo214:
+    """torch <= 2.14's ``TensorProperties.__setstate__``: exactly five fields (2.15 added ``strides``)."""
+
+    def __setstate__(self, state: tuple) -> None:
+        self.dtype, self.layout, self.requires_grad, _memory_format, self.pin_memory = state
+
+
+class _UnpicklerUpTo214(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
+            return _TensorPropertiesUpTo214
+        return super().find_class(module, name)
+
+
+def test_dcp_metadata_reads_on_older_torch_whichever_torch_wrote_it(saved):
+    """A checkpoint written on torch 2.15 loads on 2.13 and 2.14 (tests/cross_stack.py across venvs checks it whole)."""
+    with open(os.path.join(saved, DCP_METADATA_FILE), "rb") as f:
+        metadata = _UnpicklerUpTo214(f).load()
+    dtypes = {k: md.properties.dtype for k, md in metadata.state_dict_metadata.items() if hasattr(md, "properties")}
+    assert dtypes and dtypes == {k: v.data.dtype for k, v in state(0, 1).items() if isinstance(v, ShardedTensor)}
 
 def test_verify_and_inspect_know_the_format(saved, tmp_path):
     report = verify_checkpoint(saved)
