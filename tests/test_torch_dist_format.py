@@ -172,6 +172,7 @@ def test_dcp_metadata_reads_on_older_torch_whichever_torch_wrote_it(saved):
     dtypes = {k: md.properties.dtype for k, md in metadata.state_dict_metadata.items() if hasattr(md, "properties")}
     assert dtypes and dtypes == {k: v.data.dtype for k, v in state(0, 1).items() if isinstance(v, ShardedTensor)}
 
+
 def test_verify_and_inspect_know_the_format(saved, tmp_path):
     report = verify_checkpoint(saved)
     assert report.ok and report.bytes_checked > 0, report.problems
