@@ -16,7 +16,7 @@ from fastpersist_dist.bench import training_loop
 from fastpersist_dist.bench.baselines import CHECKSUMMED_BOUND, CONTENDERS
 from fastpersist_dist.bench.gpt_state import GptShape, gpt_sharded_state_dict
 from fastpersist_dist.bench.runner import (BenchConfig, _cpu_timed, balanced_order, init_rank, on_ranks,
-                                           process_group_backend)
+                                           process_group_backend, run)
 from fastpersist_dist.bench.sweep import SEARCH, format_sweep
 from fastpersist_dist.bench.training_loop import DEFAULT_LOOP_CONTENDERS, LoopConfig
 from fastpersist_dist.config import WriteConfig
@@ -83,6 +83,21 @@ def test_bench_command_tiny(tmp_path):
     assert "prepared its share" in proc.stderr and "copy+aio" in proc.stderr  # the per-rank profile, with DEBUG
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "b").iterdir())  # checkpoints removed unless --keep
+
+
+def test_a_contender_that_redistributes_main_replicas_leaves_the_next_one_the_state_as_built(tmp_path):
+    """megatron's FullyParallelSaveStrategyWrapper re-assigns main replicas in place (``replica_id``); the
+    contenders after it must still get the state as built, not its distribution.
+
+    TP=1: every shard is held by both ranks and rank 0 holds the main replicas, so with balancing off
+    rank 0 writes everything; in the second repetition that contender runs right after the wrapper's save.
+    """
+    contenders = ("torch_dist_fully_parallel", "fastpersist_unbalanced")
+    assert balanced_order(contenders, 1) == list(reversed(contenders))
+    cfg = BenchConfig(ranks=2, tp=1, gib=0.02, reps=2, directory=str(tmp_path), contenders=contenders, loads=False)
+    rows = {r["name"]: r for r in run(cfg, progress=lambda _: None)["results"]}
+    first, second = rows["fastpersist_unbalanced"]["bytes_per_rank"]
+    assert first > 1_000_000 and second < first / 1000, (first, second)
 
 
 def test_bench_rejects_bad_arguments():

@@ -21,6 +21,7 @@ writeback threads flushing a buffered writer's page cache are not charged.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import multiprocessing as mp
@@ -240,7 +241,8 @@ def _one_rep(rank: int, cfg: BenchConfig, name: str, rep: int, res: Result, sd: 
     blocked: list = []
     cpu: list[float] = []
     display.label = f"bench: {name} {rep + 1}/{cfg.reps} save"
-    res.save_s.append(_timed(lambda: blocked.append(_cpu_timed(lambda: contender.save(sd, ckpt, cfg.write), cpu))))
+    state = _as_built(sd)
+    res.save_s.append(_timed(lambda: blocked.append(_cpu_timed(lambda: contender.save(state, ckpt, cfg.write), cpu))))
     res.save_cpu_s.append(_over_ranks(cpu[0], dist.ReduceOp.SUM))
     if blocked[0] is not None:
         res.blocking_s.append(_over_ranks(blocked[0]))
@@ -262,6 +264,16 @@ def _one_rep(rank: int, cfg: BenchConfig, name: str, rep: int, res: Result, sd: 
         print(f"bench: {name} {rep + 1}/{cfg.reps}: {timings}", file=sys.stderr, flush=True)
         if not (cfg.keep and rep == cfg.reps - 1):
             shutil.rmtree(ckpt, ignore_errors=True)
+
+
+def _as_built(sd: dict) -> dict:
+    """The state in new ``ShardedTensor`` objects over the same tensors: what one contender's save gets.
+
+    megatron's ``FullyParallelSaveStrategyWrapper`` re-assigns main replicas in place
+    (``replica_id``); on the shared objects every contender after it in the run would
+    save with its distribution (at DP > 1 torch_dist and torch.save writing half each).
+    """
+    return {key: copy.copy(sh) for key, sh in sd.items()}
 
 
 def _blank(sh: Any) -> Any:
