@@ -95,6 +95,20 @@ def _tensor_properties_portably(props: TensorProperties) -> tuple:
     return copyreg.__newobj__, (TensorProperties,), state
 
 
+def without_strides(metadata: Metadata) -> Metadata:
+    """``metadata`` (changed in place) with the ``strides`` field of each tensor's properties taken off.
+
+    For megatron-core (0.16.1 and 0.19.2 seen), which rebuilds a tensor's metadata as
+    ``torch.empty(size, **properties.__dict__)``: torch 2.15 sets ``strides`` on
+    every ``TensorProperties`` it unpickles, and ``torch.empty`` takes no such
+    argument. The attribute then reads as the class default, None (unset).
+    """
+    for item in metadata.state_dict_metadata.values():
+        if isinstance(item, TensorStorageMetadata):
+            vars(item.properties).pop("strides", None)
+    return metadata
+
+
 def metadata_bytes(records: Iterable[ShardRecord], checkpoint_dir: str) -> bytes:
     """``.metadata`` as torch's ``FileSystemWriter.finish`` pickles it, readable by older torch (see above)."""
     out = io.BytesIO()

@@ -8,6 +8,7 @@ values are the ones saved.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -15,7 +16,9 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensorFactory
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from torch.distributed.checkpoint.metadata import TensorProperties
 
 from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy
 from fastpersist_dist.bench.baselines import torch_dist_cpu_shims
@@ -191,3 +194,33 @@ def _check_values(scenario: str, per_rank: list) -> None:
     elif scenario == "dtypes":
         for got in per_rank:
             assert all(ok for _, ok in got), got
+
+
+def _megatrons_own(rank: int, world: int, path: str) -> None:
+    _save("torch_dist", {"w": ShardedTensor.from_rank_offsets("w", global_tensor("w", (WORLD, 3))[rank : rank + 1].clone(),
+                                                               (0, rank, WORLD)),
+                         "o": ShardedObject("o", {"r": rank}, (WORLD,), (rank,), replica_id=0)}, path)
+
+
+def test_metadata_of_megatrons_own_checkpoint_reads_as_torch_2_15_unpickles_it(tmp_path, monkeypatch):
+    """megatron-core rebuilds tensor metadata as ``torch.empty(size, **properties.__dict__)``; torch 2.15's
+    unpickling sets ``TensorProperties.strides`` (None where none was stored), which ``torch.empty`` refuses.
+
+    Stood in for here on older torch: megatron's own reading then fails, ours (a plain call hands megatron's
+    checkpoints to megatron's reading) does not.
+    """
+    path = str(tmp_path / "torch_dist")
+    run_ranks(WORLD, _megatrons_own, path)
+    five_fields = TensorProperties.__setstate__
+
+    def like_torch_2_15(self: TensorProperties, state: tuple) -> None:
+        five_fields(self, state[:5])
+        self.strides = state[5] if len(state) > 5 else None
+
+    monkeypatch.setattr(TensorProperties, "__setstate__", like_torch_2_15)
+    with pytest.raises(TypeError, match="strides"):
+        TorchDistLoadShardedStrategy().load_tensors_metadata(Path(path))
+    tensors = dist_checkpointing.load_tensors_metadata(path)
+    assert {k: (tuple(v.global_shape), v.dtype) for k, v in tensors.items()} == {"w": ((WORLD, 3), torch.float32)}
+    everything = dist_checkpointing.serialization.load_sharded_metadata(path)
+    assert "w" in everything and sum(k.startswith("o/") for k in everything) == WORLD, sorted(everything)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
+from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
@@ -27,11 +28,27 @@ from ..format import INDEX_FILE, CheckpointIndex
 from ..load_engine import Loader, requested_boxes, sharded_metadata, tensors_metadata
 from ..read_exchange import fail_together, sharing_group
 from ..config import DirectIO, WriteConfig
+from ..dcp_metadata import without_strides
 from ..storage.deepspeed_ops import aio_resources
 from ..storage.reader import ShardReader
 from ..storage.stream_reader import on_memory_filesystem, open_stream
 
 logger = logging.getLogger(__name__)
+
+
+class _StockMetadataReader(TorchDistLoadShardedStrategy):
+    """megatron's own metadata reading of a checkpoint it wrote, on every torch.
+
+    megatron-core passes every field of torch DCP's tensor properties to
+    ``torch.empty``, which fails on torch 2.15's ``strides``
+    (:func:`~fastpersist_dist.dcp_metadata.without_strides`); otherwise megatron's
+    reading, its storage backends included, unchanged.
+    """
+
+    def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Any = None) -> Any:
+        if metadata is None:  # read by load_sharded_metadata, which hands it back here
+            return {k: v for k, v in self.load_sharded_metadata(checkpoint_dir).items() if isinstance(v, ShardedTensor)}
+        return super().load_tensors_metadata(checkpoint_dir, without_strides(metadata))
 
 
 def _rank() -> int:
@@ -152,7 +169,7 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
         """Global shape and dtype of every stored tensor, as data-less ShardedTensors (a paged index: no page read)."""
         ckpt, who = str(checkpoint_dir), f"rank {_rank()}"
         if _stock_checkpoint(ckpt):
-            return TorchDistLoadShardedStrategy().load_tensors_metadata(Path(checkpoint_dir))
+            return _StockMetadataReader().load_tensors_metadata(Path(checkpoint_dir))
         top = read_top(ckpt, who)
         check_markers(ckpt, top, who)
         return tensors_metadata(top)
@@ -161,5 +178,5 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
         """Tensor metadata plus every stored ShardedObject, keyed by its unique key."""
         index = self._index(checkpoint_dir)
         if index is None:
-            return TorchDistLoadShardedStrategy().load_sharded_metadata(Path(checkpoint_dir))
+            return _StockMetadataReader().load_sharded_metadata(Path(checkpoint_dir))
         return sharded_metadata(index)
