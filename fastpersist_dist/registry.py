@@ -12,7 +12,7 @@ per-load state.
 """
 
 from . import compat
-from .checkpoint_formats import FASTPERSIST, TORCH_DIST
+from .format.kinds import FASTPERSIST, TORCH_DIST
 from .strategies.fastpersist_load import FastPersistLoadStrategy
 from .strategies.fastpersist_save import FastPersistSaveStrategy
 

@@ -1,10 +1,11 @@
 """The ``fastpersist-dist`` command line: arguments parsed and checked, then the command run.
 
-The commands themselves are in ``fastpersist_dist.cli`` (see docs/cli.md). This
-package lives outside ``fastpersist_dist`` because importing that package
+The commands themselves are in ``fastpersist_dist.tools.cli`` (see docs/cli.md).
+This package lives outside ``fastpersist_dist`` because importing that package
 registers its strategies with megatron-core, which imports torch, megatron-core
 and DeepSpeed (seconds): ``--help`` and argument errors answer before any of
-them is imported.
+them is imported. It imports the package only to run a command, and the
+package never imports it.
 """
 
 from __future__ import annotations
@@ -20,17 +21,20 @@ inspect, build ops.
 Exit codes: 0 success, 1 the checkpoint has problems, 2 bad arguments or an
 unusable directory."""
 
-# Contenders of `bench` in table order (fastpersist_dist.bench.baselines.CONTENDERS implements them)
+# fastpersist_dist.util.quiet.QUIET_ENV: where it is set, importing the package hides its dependencies' known warnings
+QUIET_ENV = "FASTPERSIST_QUIET"
+
+# Contenders of `bench` in table order (fastpersist_dist.tools.bench.baselines.CONTENDERS implements them)
 DEFAULT_CONTENDERS = ("device_bound", "device_bound_checksummed", "fastpersist", "fastpersist_async", "fastpersist_dcp",
                       "torch_dist", "torch_dist_fully_parallel", "torch_save")
 CONTENDER_NAMES = DEFAULT_CONTENDERS + ("fastpersist_unbalanced", "fastpersist_unshared", "fastpersist_dcp_ours", "fastpersist_dcp_fully_parallel")
 
 
 def _command(name: str) -> Callable[[argparse.Namespace], int]:
-    """``fastpersist_dist.cli.<name>``, imported when the command runs."""
+    """``fastpersist_dist.tools.cli.<name>``, imported when the command runs."""
 
     def run(args: argparse.Namespace) -> int:
-        from fastpersist_dist import cli
+        from fastpersist_dist.tools import cli
 
         return getattr(cli, name)(args)
 
@@ -49,6 +53,15 @@ def _output_path_problem(path: str, suffix: str = "") -> Optional[str]:
     return None
 
 
+def _plot_problem() -> Optional[str]:
+    """Why ``--plot`` cannot draw: matplotlib is an optional extra (imported here only when ``--plot`` is asked)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        return f"--plot needs matplotlib ({e}): pip install 'fastpersist-dist[plot]'"
+    return None
+
+
 def _layout_problem(args: argparse.Namespace) -> Optional[str]:
     """Why ``--ranks``/``--tp`` describe no TP x DP layout, or None."""
     return f"--ranks ({args.ranks}) must be a multiple of --tp ({args.tp})" if args.ranks % args.tp else None
@@ -64,7 +77,7 @@ def _bench_problems(args: argparse.Namespace) -> list[str]:
     if args.json:
         problems.append(_output_path_problem(args.json))
     if args.plot:
-        problems.append(_output_path_problem(args.plot, ".png"))
+        problems.append(_output_path_problem(args.plot, ".png") or _plot_problem())
     return [p for p in problems if p]
 
 
@@ -125,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     b.add_argument("--keep", action="store_true", help="keep the last checkpoint of each contender")
     b.add_argument("--plot", metavar="PATH.png", help="also draw the report as a GiB/s bar chart")
-    k = b.add_argument_group("FastPersist knobs (defaults: fastpersist_dist.config.WriteConfig, see docs/knobs.md)")
+    k = b.add_argument_group("FastPersist knobs (defaults: fastpersist_dist.WriteConfig, see docs/knobs.md)")
     k.add_argument("--io-buffer-mb", type=_positive_int, help="page-locked bounce buffer per writer, MiB")
     k.add_argument("--single-buffer", action="store_true", help="one bounce buffer instead of two halves")
     k.add_argument("--aio-block-mb", type=_positive_int, help="aio request size, MiB")
@@ -189,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # rank then fails at its first CUDA call ("Cannot re-initialize CUDA in forked subprocess").
     # Asked through NVML instead, it leaves this process without CUDA; a user's own setting wins.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    from .quiet import quiet_dependencies
-
-    quiet_dependencies()
+    # Importing the package then hides its dependencies' known warnings first thing, in this process and in
+    # every process started from it (fastpersist_dist/util/quiet.py); a library user still sees them all.
+    os.environ[QUIET_ENV] = "1"
     return args.func(args)

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from fastpersist_dist import ASYNC_SAVE_KWARGS, AsyncSaveQueue, FastPersistSaveStrategy, prepare_checkpoint_dir
-from fastpersist_dist.bench.runner import BenchConfig, on_ranks
-from fastpersist_dist.bench.training_loop import _trainer, train_step
+from fastpersist_dist.tools.bench.runner import BenchConfig, on_ranks
+from fastpersist_dist.tools.bench.training_loop import _trainer, train_step
 
 STEP_S = 0.05
 
@@ -38,9 +38,9 @@ def _spin() -> None:
         pass
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int) -> dict[str, list[float]]:
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[float]]:
     """This rank's seconds: synchronous saves, and durable beside each loop kind."""
-    _, sd, tensors = _trainer(rank, BenchConfig(ranks=2, tp=2, gib=args.gib), port)
+    _, sd, tensors = _trainer(rank, BenchConfig(ranks=2, tp=2, gib=args.gib))
     FastPersistSaveStrategy().load_ops(sd)
     loops = {"sleep": lambda: time.sleep(STEP_S), "spin": _spin, "memory": lambda: train_step(tensors)}
     queue, times = AsyncSaveQueue(), {name: [] for name in ("sync", *loops)}

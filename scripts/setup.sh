@@ -19,18 +19,8 @@ case "$STACK" in
 esac
 VENV="${FASTPERSIST_VENV:-$DEFAULT_VENV}"
 
-find_python() {
-    if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
-    if command -v "python$PY_VERSION" >/dev/null && "python$PY_VERSION" -c 1 2>/dev/null; then
-        echo "python$PY_VERSION"; return
-    fi
-    local root="${PYENV_ROOT:-$HOME/.pyenv}"
-    local found
-    found="$(ls -d "$root"/versions/"$PY_VERSION".*/bin/python 2>/dev/null | sort -V | tail -n 1 || true)"
-    if [ -n "$found" ]; then echo "$found"; return; fi
-    echo "setup: $STACK needs Python $PY_VERSION (python$PY_VERSION on PATH or under pyenv); none found" >&2
-    exit 2
-}
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
 
 if ! dpkg -s libaio-dev >/dev/null 2>&1; then
     SUDO=""
@@ -41,26 +31,20 @@ if ! dpkg -s libaio-dev >/dev/null 2>&1; then
         { grep -v "^debconf: delaying package configuration, since apt-utils is not installed" >&2 || true; }
 fi
 
-[ -x "$VENV/bin/python" ] || "$(find_python)" -m venv "$VENV"
-pip_install() {
-    # Without pip's warning for each unusable index location of the machine's pip configuration
-    # (one per package looked up, harmless); everything else pip says is kept, on stderr.
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 |
-        { grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$" >&2 || true; }
-}
+[ -x "$VENV/bin/python" ] || "$(find_python "$PY_VERSION")" -m venv "$VENV"
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     echo "setup: installing torch==2.13.0 into $VENV ($STACK)"
-    pip_install torch==2.13.0
+    pip_install "$VENV/bin/python" torch==2.13.0
 fi
 echo "setup: installing fastpersist-dist[test] with megatron-core==$MCORE into $VENV"
-pip_install -e ".[test]" "megatron-core==$MCORE"
+pip_install "$VENV/bin/python" -e ".[test]" "megatron-core==$MCORE"
 if [ "$STACK" != mcore-0.16 ] && [ ! -d "$VENV/nvrx/nvidia_resiliency_ext" ]; then
     # megatron-core 0.17+'s default async queue ("nvrx") comes from nvidia-resiliency-ext, whose
     # only Python 3.12 wheel is tagged manylinux_2_39 (this Debian has glibc 2.36). Its async
     # checkpoint queue is pure Python; it goes beside the venv, not on its path, so only the test
     # of that queue (tests/test_torch_dist_format.py) imports it and megatron's default stays as is.
     echo "setup: nvidia-resiliency-ext 0.7.0 into $VENV/nvrx (for the test of megatron's nvrx queue)"
-    pip_install --no-deps --only-binary=:all: --platform manylinux_2_39_x86_64 --python-version 3.12 \
+    pip_install "$VENV/bin/python" --no-deps --only-binary=:all: --platform manylinux_2_39_x86_64 --python-version 3.12 \
         --target "$VENV/nvrx" nvidia-resiliency-ext==0.7.0
 fi
 echo "setup: building DeepSpeed ops (cached under $VENV/torch_ext)"

@@ -22,9 +22,9 @@ import time
 
 import torch
 
+from fastpersist_dist.engine.writer_process import writer_client
 from fastpersist_dist.storage.host_copy import copy_to_host
 from fastpersist_dist.storage.shared_memory import SharedBuffer
-from fastpersist_dist.writer_process import writer_client
 
 
 def _timed(fn) -> float:

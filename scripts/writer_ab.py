@@ -27,8 +27,11 @@ _CHILD = r"""
 import json, os, resource, sys, time
 import numpy as np, torch, xxhash
 import fastpersist_dist
-from fastpersist_dist.config import WriteConfig
-from fastpersist_dist.format import ShardRecord
+from fastpersist_dist import WriteConfig
+try:
+    from fastpersist_dist.format.records import ShardRecord
+except ImportError:  # a revision before the package's layers
+    from fastpersist_dist.format import ShardRecord
 from fastpersist_dist.storage.writer import WriteItem, write_rank_file
 
 path, nbytes, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

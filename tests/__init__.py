@@ -1,4 +1,4 @@
-"""The tests. Their ranks are forked from pytest's process (tests/multiproc.py).
+"""The tests. Their ranks are forked from pytest's process (fastpersist_dist/tools/ranks.py).
 
 Imports of DeepSpeed and megatron-core ask ``torch.cuda.is_available()``, which by
 default initializes the CUDA driver in pytest's process, and every rank forked

@@ -96,7 +96,7 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     expected_path = os.path.join(ckpt_dir, f"expected_rank{rank}.pt")
     result: dict = {"rank": rank, "phase": phase}
-    from fastpersist_dist.writer_process import writer_client
+    from fastpersist_dist.engine.writer_process import writer_client
 
     result["writer_before_first_save"] = writer_client().pid is not None
 
@@ -125,10 +125,11 @@ def main() -> None:
         mismatched = [k for k, v in _params(model).items() if not torch.equal(v, expected["params"][k])]
         result.update(iteration=iteration, expected_iteration=expected["iteration"], mismatched=mismatched,
                       params=len(expected["params"]), num_steps=scheduler.num_steps)
-        result["optim_equal"] = all(
-            torch.equal(now[i][k], v[k])
-            for now, before in zip(_optimizer_states(optimizer), expected["optim"], strict=True)
-            for i, v in before.items() for k in v)
+        compared = [torch.equal(now[i][k], v[k])
+                    for now, before in zip(_optimizer_states(optimizer), expected["optim"], strict=True)
+                    for i, v in before.items() for k in v if torch.is_tensor(v[k])]
+        result["optim_compared"] = len(compared)  # Adam's moments (and steps) of every parameter: not none
+        result["optim_equal"] = all(compared)
         _step(model, optimizer, scheduler, args, iteration + 1)
         checkpointing.save_checkpoint(iteration + 1, models, optimizer, scheduler, 0, checkpointing_context=context)
         if args.async_save:

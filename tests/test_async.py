@@ -2,73 +2,32 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import subprocess
-import sys
 from functools import partial
-from typing import Callable
 
 import pytest
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
-import fastpersist_dist
-from fastpersist_dist import FastPersistSaveStrategy, SaveFailedError
-from fastpersist_dist.async_queue import AsyncSaveQueue
-from fastpersist_dist.bench.baselines import torch_dist_cpu_shims
+from fastpersist_dist import SaveFailedError
 from fastpersist_dist.compat import megatron_async_queue
-from fastpersist_dist.format import INDEX_FILE
-from fastpersist_dist.roles import WRITER_ENV
-from fastpersist_dist.writer_process import writer_client
+from fastpersist_dist.engine.async_queue import AsyncSaveQueue
+from fastpersist_dist.engine.writer_process import writer_client
+from fastpersist_dist.format.records import INDEX_FILE
+from fastpersist_dist.tools.bench.baselines import torch_dist_cpu_shims
+from fastpersist_dist.tools.ranks import run_ranks
 
-from .helpers import (ASYNC_KW, assert_same, global_tensor, load, logged, make_dir, native_strategy, proc_status_kib,
-                      sharded)
-from .multiproc import run_ranks
+from .helpers import ASYNC_KW, global_tensor, logged, make_dir, native_strategy, proc_status_kib, sharded
+from .states import async_save, async_state, load_and_compare, mutate, snapshot
 
-
-def state(rank: int, world: int) -> dict:
-    big = global_tensor("base", (16 * world, 64))
-    return {
-        "w": sharded("w", global_tensor("w", (8 * world, 300)), rank, world, 0),
-        "b": sharded("b", global_tensor("b", (4, 6 * world), torch.bfloat16), rank, world, 1),
-        "view": ShardedTensor.from_rank_offsets("view", big[16 * rank : 16 * rank + 16, ::2], (0, rank, world)),
-        "rep": ShardedTensor.from_rank_offsets("rep", global_tensor("rep", (5,), torch.int64), replica_id=rank),
-    }
-
-
-def mutate(sd: dict, step: int) -> None:
-    for sh in sd.values():
-        sh.data.add_(step + 1) if sh.data.dtype != torch.bool else sh.data.logical_not_()
-
-
-def snapshot(sd: dict) -> dict:
-    return {k: sh.data.clone() for k, sh in sd.items()}
-
-
-def load_and_compare(sd: dict, want: dict, path: str, loader: Callable[[dict, str], dict] = load) -> dict:
-    """Load ``path`` into zeros shaped (and placed) like ``sd``'s tensors; every value equals ``want``'s."""
-    template = {
-        k: ShardedTensor(sh.key, torch.zeros_like(sh.data.contiguous()), sh.dtype, sh.local_shape, sh.global_shape,
-                         sh.global_offset, sh.axis_fragmentations, sh.replica_id, sh.prepend_axis_num)
-        for k, sh in sd.items()
-    }
-    loaded = loader(template, path)
-    for k in want:
-        assert_same(loaded[k], want[k].contiguous(), f"{path}:{k}")
-    return loaded
-
-
-def async_save(sd: dict, path: str, strategy: FastPersistSaveStrategy):
-    make_dir(path)
-    return dist_checkpointing.save(sd, path, sharded_strategy=strategy, async_sharded_save=True, **ASYNC_KW)
+pytestmark = pytest.mark.engine
 
 
 def start_first_save(rank: int, world: int, path: str):
     """A fresh state, its values at save time, and one async save of it scheduled to ``path``."""
-    sd = state(rank, world)
+    sd = async_state(rank, world)
     before = snapshot(sd)
     strategy = native_strategy()
     strategy.load_ops()  # as a trainer would at start-up
@@ -85,13 +44,14 @@ def _mutate_right_after_save(rank: int, world: int, root: str) -> None:
     load_and_compare(sd, before, f"{root}/c")
 
 
+@pytest.mark.contract
 def test_checkpoint_holds_state_at_save_call(tmp_path):
     for world in (2, 4):
         run_ranks(world, _mutate_right_after_save, str(tmp_path / f"w{world}"))
 
 
 def _three_in_a_row(rank: int, world: int, root: str) -> list[bool]:
-    sd = state(rank, world)
+    sd = async_state(rank, world)
     queue = AsyncSaveQueue()
     expected, buffers = [], []
     for step in range(3):
@@ -118,8 +78,8 @@ def test_three_consecutive_async_checkpoints_with_a_fresh_strategy_each(tmp_path
 
 
 def _two_in_flight(rank: int, world: int, root: str) -> tuple[list[str], list[tuple]]:
-    sd = state(rank, world)
-    records = logged("fastpersist_dist.staging", logging.INFO)
+    sd = async_state(rank, world)
+    records = logged("fastpersist_dist.engine.staging", logging.INFO)
     queue = AsyncSaveQueue()
     expected, buffers = [], []
     for step in range(4):
@@ -160,7 +120,7 @@ def _structures(rank: int) -> list[dict]:
 
 
 def _plan_changes_beside_the_copy(rank: int, world: int, root: str) -> tuple[list[str], bool]:
-    records = logged("fastpersist_dist.save_engine", logging.DEBUG)
+    records = logged("fastpersist_dist.engine.save", logging.DEBUG)
     queue, buffers = AsyncSaveQueue(), {}
     for step, sd in enumerate(_structures(rank)):
         before = snapshot(sd) if step != 2 else None
@@ -214,7 +174,7 @@ def test_background_write_error_surfaces_at_finalize_on_all_ranks(tmp_path):
 
 
 def _megatron_queue(rank: int, world: int, root: str) -> None:
-    sd = state(rank, world)
+    sd = async_state(rank, world)
     queue = megatron_async_queue()
     expected = []
     with torch_dist_cpu_shims():  # its temporal caller calls torch.cuda unconditionally
@@ -228,6 +188,7 @@ def _megatron_queue(rank: int, world: int, root: str) -> None:
         load_and_compare(sd, expected[step], f"{root}/m{step}")
 
 
+@pytest.mark.contract
 def test_megatron_async_calls_queue_forks_the_caller_and_our_writer_writes(tmp_path):
     run_ranks(2, _megatron_queue, str(tmp_path))
 
@@ -246,7 +207,7 @@ def _parallel_work_then_async_save(rank: int, world: int, root: str) -> None:
 
 
 def test_forked_writer_does_not_deadlock_after_parallel_work(tmp_path):
-    run_ranks(2, _parallel_work_then_async_save, str(tmp_path), timeout=240)
+    run_ranks(2, _parallel_work_then_async_save, str(tmp_path), deadline=240)
 
 
 def _same_directory_twice(rank: int, world: int, root: str) -> str:
@@ -267,7 +228,7 @@ def test_second_save_into_a_directory_still_being_written_is_refused(tmp_path):
 
 
 def _reserved_at_start_up(rank: int, world: int, root: str) -> tuple[bool, bool, int]:
-    sd = state(rank, world)
+    sd = async_state(rank, world)
     native_strategy().load_ops(sd)  # start-up, collective: plan, allocate and share the snapshot buffer
     reserved = set(writer_client()._buffers)
     before = snapshot(sd)
@@ -295,12 +256,3 @@ def _locked_in_writer_after_load_ops(rank: int, world: int, buffer_mb: int) -> i
 def test_load_ops_readies_the_writer_s_bounce_buffer_of_that_configuration():
     # Made in the first job instead, they delayed the first async save by a second under load.
     assert run_ranks(1, _locked_in_writer_after_load_ops, 64) == [64 << 20]
-
-
-def test_writer_process_imports_no_megatron_core():
-    probe = ("import json, sys; import fastpersist_dist.writer_process; "
-             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron')))")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fastpersist_dist.__file__)))  # this very package
-    env = {**os.environ, WRITER_ENV: "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": root}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

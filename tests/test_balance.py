@@ -7,73 +7,30 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from fastpersist_dist import FastPersistSaveStrategy
-from fastpersist_dist.async_queue import AsyncSaveQueue
-from fastpersist_dist.commit import read_index
-from fastpersist_dist.format import INDEX_FILE, data_file_name
-from fastpersist_dist.index_pages import PART_FILE_RE, part_file_name
-from fastpersist_dist.verify import verify_checkpoint
+from fastpersist_dist.engine.async_queue import AsyncSaveQueue
+from fastpersist_dist.engine.index_reader import read_index
+from fastpersist_dist.format.index_pages import PART_FILE_RE, part_file_name
+from fastpersist_dist.format.records import INDEX_FILE, data_file_name
+from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist.tools.verify import verify_checkpoint
 
 from .helpers import (
     ASYNC_KW,
     assert_same,
-    empty_like_request,
-    global_tensor,
     load,
     make_dir,
     native_strategy,
     save,
     sharded,
 )
-from .multiproc import run_ranks
+from .states import DP, SHAPES, TP, check_loaded, dp_group, full, template, tp_dp_state
 
-TP, DP = 2, 2
-UNEVEN_ROWS = (3000, 1096)  # a tensor-parallel split that is not even (rows per TP rank)
-SHAPES = {"qkv": (96, 64), "proj": (64, 96), "ln": (64,), "emb": (8192, 512), "huge": (3 * 2**20 + 7,),
-          "uneven": (sum(UNEVEN_ROWS), 1024)}
-
-
-def full(key: str, step: int = 0) -> torch.Tensor:
-    dtype = torch.bfloat16 if key == "proj" else torch.float32
-    return global_tensor(key, SHAPES[key], dtype, salt=step)
-
-
-def tp_dp_state(rank: int, step: int = 0) -> dict:
-    """Rank ``rank`` of TP=2 x DP=2: TP over consecutive ranks; every DP rank holds a replica."""
-    t, d = rank % TP, rank // TP
-
-    def tp_split(key: str, axis: int) -> ShardedTensor:
-        return ShardedTensor.from_rank_offsets(key, full(key, step).chunk(TP, axis)[t].clone(), (axis, t, TP), replica_id=d)
-
-    start = sum(UNEVEN_ROWS[:t])
-    uneven = full("uneven", step)[start : start + UNEVEN_ROWS[t]].clone()
-    return {
-        "qkv": tp_split("qkv", 0), "proj": tp_split("proj", 1), "emb": tp_split("emb", 0),
-        "ln": ShardedTensor.from_rank_offsets("ln", full("ln", step), replica_id=(t, d)),
-        "huge": ShardedTensor.from_rank_offsets("huge", full("huge", step), replica_id=(t, d)),
-        "uneven": ShardedTensor("uneven", uneven, uneven.dtype, tuple(uneven.shape), SHAPES["uneven"],
-                                (start, 0), None, d),
-        "tp_obj": ShardedObject("tp_obj", {"tp": t, "step": step}, (TP,), (t,), replica_id=d),
-        "rank_obj": ShardedObject("rank_obj", [rank, step], (TP * DP,), (rank,)),
-    }
-
-
-def check_loaded(loaded: dict, rank: int, step: int) -> None:
-    for key, sh in tp_dp_state(rank, step).items():
-        if isinstance(sh, ShardedTensor):
-            assert_same(loaded[key], sh.data, f"rank {rank} '{key}'")
-        else:
-            assert loaded[key] == sh.data, (rank, key, loaded[key], sh.data)
-
-
-def template(sd: dict) -> dict:
-    return {k: empty_like_request(v) if isinstance(v, ShardedTensor)
-            else ShardedObject(v.key, None, v.global_shape, v.global_offset, v.replica_id) for k, v in sd.items()}
+pytestmark = pytest.mark.contract
 
 
 def _save_twice_and_load(rank: int, world: int, root: str) -> list:
@@ -154,14 +111,8 @@ def test_async_save_snapshots_only_this_ranks_pieces(tmp_path):
     assert verify_checkpoint(path).ok
 
 
-def _dp_group(rank: int) -> dist.ProcessGroup:
-    """This rank's data-parallel group; every rank creates every group, in the same order."""
-    groups = [dist.new_group([t + TP * d for d in range(DP)]) for t in range(TP)]
-    return groups[rank % TP]
-
-
 def _save_in_dp_groups(rank: int, world: int, root: str, checkpoint_format: str) -> bool:
-    strategy = FastPersistSaveStrategy(checkpoint_format, parallel_group=_dp_group(rank))
+    strategy = FastPersistSaveStrategy(checkpoint_format, parallel_group=dp_group(rank))
     save(tp_dp_state(rank, 0), f"{root}/a", strategy)
     save(tp_dp_state(rank, 1), f"{root}/b", strategy)
     check_loaded(load(template(tp_dp_state(rank, 1)), f"{root}/b"), rank, 1)
@@ -209,7 +160,7 @@ def _group_failure(rank: int, world: int, path: str, kind: str) -> str:
         sd["bad"].data = [1.0, 2.0]
     elif kind == "plan" and rank % TP == 1:  # both DP ranks of group {1, 3} claim the main replica
         sd["bad"] = ShardedTensor.from_rank_offsets("twice", torch.zeros(2), replica_id=0)
-    strategy = FastPersistSaveStrategy("fastpersist", parallel_group=_dp_group(rank))
+    strategy = FastPersistSaveStrategy("fastpersist", parallel_group=dp_group(rank))
     with pytest.raises(CheckpointingException) as info:
         save(sd, path, strategy, validate=False)
     return str(info.value)

@@ -13,10 +13,8 @@ import torch
 from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
-from fastpersist_dist.bench.plot import plot_report
-from fastpersist_dist.cli import main
-from fastpersist_dist.checksum import digest_bytes
-from fastpersist_dist.format import (
+from fastpersist_dist.format.checksum import digest_bytes
+from fastpersist_dist.format.records import (
     COMMON_FILE,
     INDEX_FILE,
     aux_copy_name,
@@ -24,11 +22,15 @@ from fastpersist_dist.format import (
     dtype_name,
     status_file_name,
 )
-from fastpersist_dist.inspect_ckpt import inspect_checkpoint
+from fastpersist_dist.tools.bench.plot import plot_report
+from fastpersist_dist.tools.inspect import inspect_checkpoint
+from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist_cli import main
 
 from .helpers import ADDED_OBJECTS, COMMON_STATE_OBJECT, global_tensor, save, sharded
-from .multiproc import run_ranks
-from .test_flat_records import write_flat_checkpoint
+from .states import write_flat_checkpoint
+
+pytestmark = pytest.mark.engine
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Committed beside a native checkpoint's index: common.pt (megatron-core 0.19 loads the common state from it
@@ -173,6 +175,24 @@ def test_plot_report_writes_png(tmp_path):
     plot_report(rep, str(path))
     data = path.read_bytes()
     assert data[:8] == PNG_SIGNATURE and len(data) > 1000
+
+
+_WITHOUT_MATPLOTLIB = """
+import sys
+sys.modules["matplotlib"] = None  # as if not installed: importing it raises ImportError
+from fastpersist_dist_cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_plot_without_matplotlib_is_refused_saying_how_to_install_it(tmp_path):
+    """matplotlib is an optional extra: ``--plot`` without it fails at once, before anything runs."""
+    argv = ["bench", "--dir", str(tmp_path / "b"), "--plot", str(tmp_path / "chart.png")]
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_MATPLOTLIB, *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--plot needs matplotlib" in proc.stderr and "pip install 'fastpersist-dist[plot]'" in proc.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_bench_rejects_bad_output_paths_before_running(tmp_path, capsys):

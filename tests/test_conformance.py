@@ -21,10 +21,12 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy
-from fastpersist_dist.bench.baselines import torch_dist_cpu_shims
+from fastpersist_dist.tools.bench.baselines import torch_dist_cpu_shims
+from fastpersist_dist.tools.ranks import run_ranks
 
 from .helpers import global_tensor, make_dir
-from .multiproc import run_ranks
+
+pytestmark = pytest.mark.contract
 
 WORLD = 3
 BACKENDS = ["fastpersist", "fastpersist_dcp", "torch_dist"]

@@ -18,24 +18,43 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from fastpersist_dist import (
     CorruptCheckpointError,
-    compat,
     FastPersistError,
     FastPersistLoadStrategy,
     FastPersistSaveStrategy,
     IncompleteCheckpointError,
     SaveFailedError,
+    compat,
 )
-from fastpersist_dist.checkpoint_formats import DCP_METADATA_FILE
-from fastpersist_dist.commit import TMP_SUFFIX, invalidate, read_index
-from fastpersist_dist.format import (COMMON_FILE, CONTAINER_TORCH_SAVE, INDEX_FILE, aux_copy_name, data_file_name,
-                                     status_file_name)
-from fastpersist_dist.index_pages import part_file_name
-from fastpersist_dist.inspect_ckpt import format_report, inspect_checkpoint
-from fastpersist_dist.verify import verify_checkpoint
+from fastpersist_dist.engine.directory import invalidate
+from fastpersist_dist.engine.index_reader import read_index
+from fastpersist_dist.format.index_pages import part_file_name
+from fastpersist_dist.format.kinds import DCP_METADATA_FILE
+from fastpersist_dist.format.records import (
+    COMMON_FILE,
+    CONTAINER_TORCH_SAVE,
+    INDEX_FILE,
+    aux_copy_name,
+    data_file_name,
+    status_file_name,
+)
+from fastpersist_dist.storage.files import TMP_SUFFIX
+from fastpersist_dist.tools.inspect import format_report, inspect_checkpoint
+from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist.tools.verify import verify_checkpoint
 
-from .helpers import (COMMON_STATE_OBJECT, assert_same, flip_bit, global_tensor, load, logged, save, sharded,
-                      stock_loader)
-from .multiproc import run_ranks
+from .helpers import (
+    COMMON_STATE_OBJECT,
+    assert_same,
+    flip_bit,
+    global_tensor,
+    load,
+    logged,
+    save,
+    sharded,
+    stock_loader,
+)
+
+pytestmark = pytest.mark.contract
 
 
 def _files(path: str) -> list[str]:
@@ -288,17 +307,25 @@ def test_damaged_index_is_refused(tmp_path):
     run_ranks(1, _load_expect, path, CorruptCheckpointError, "index checksum mismatch")
 
 
-def _load_wrong_version(rank: int, world: int, path: str) -> None:
-    with pytest.raises(FastPersistError, match="backend version 2 is not supported"):
-        dist_checkpointing.load({}, path, sharded_strategy=FastPersistLoadStrategy())
+def _load_with_version_2_in_metadata_json(rank: int, world: int, path: str) -> None:
+    req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 8), replica_id=rank)}
+    if compat.REGISTRY:  # megatron-core 0.16 asks the strategy whether it reads metadata.json's backend version
+        with pytest.raises(FastPersistError, match="backend version 2 is not supported"):
+            dist_checkpointing.load(req, path, sharded_strategy=FastPersistLoadStrategy())
+        return
+    # megatron-core 0.17+ asks no strategy: our loader reads by its checksummed index, which is version 1
+    loaded = dist_checkpointing.load(req, path, sharded_strategy=FastPersistLoadStrategy())
+    assert torch.equal(loaded["w"], global_tensor("w", (64, 8)))
 
 
-def test_version_and_backend_checks(tmp_path):
+def test_backend_check():
     with pytest.raises(FastPersistError, match="FastPersistLoadStrategy reads"):
         FastPersistLoadStrategy().check_backend_compatibility("zarr")
     FastPersistLoadStrategy().check_backend_compatibility("torch_dist")  # our torch_dist format
-    if not compat.REGISTRY:
-        return  # megatron-core 0.17+ no longer asks the strategy to check metadata.json's backend/version
+
+
+def test_a_backend_version_we_do_not_know_in_metadata_json(tmp_path):
+    """Refused where megatron-core asks the strategy (0.16); elsewhere our index, not metadata.json, decides."""
     path = str(tmp_path / "ckpt")
     run_ranks(1, _save_small, path)
     meta = os.path.join(path, "metadata.json")
@@ -307,7 +334,7 @@ def test_version_and_backend_checks(tmp_path):
     doc["sharded_backend_version"] = 2
     with open(meta, "w") as f:
         json.dump(doc, f)
-    run_ranks(1, _load_wrong_version, path)
+    run_ranks(1, _load_with_version_2_in_metadata_json, path)
 
 
 def test_unsafe_objects_need_trust(tmp_path):

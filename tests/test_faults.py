@@ -11,25 +11,18 @@ mounts (we run as root); those tests skip, saying why, where mounting is refused
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
-import multiprocessing as mp
 import os
 import pickle
-import queue as queue_module
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
-import traceback
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,20 +37,17 @@ from fastpersist_dist import (
     IncompleteCheckpointError,
     SaveFailedError,
 )
-from fastpersist_dist.commit import prepare_checkpoint_dir
-from fastpersist_dist.config import MiB, WriteConfig
-from fastpersist_dist.format import (
-    INDEX_FILE,
-    ShardRecord,
-    data_file_name,
-    status_file_name,
-)
-from fastpersist_dist.index_pages import part_file_name
+from fastpersist_dist.engine.directory import prepare_checkpoint_dir
+from fastpersist_dist.engine.writer_process import writer_client
+from fastpersist_dist.format.index_pages import part_file_name
+from fastpersist_dist.format.records import INDEX_FILE, data_file_name, status_file_name
 from fastpersist_dist.storage.deepspeed_ops import aio_module, ensure_fast_file_writer_usable
-from fastpersist_dist.storage.writer import WriteItem, confirm_on_disk, prepare_direct_writes, write_rank_file
-from fastpersist_dist.verify import verify_checkpoint
-from fastpersist_dist.writer_process import writer_client
+from fastpersist_dist.storage.writer import confirm_on_disk, prepare_direct_writes, write_rank_file
+from fastpersist_dist.tools.ranks import Outcome, run_ranks
+from fastpersist_dist.tools.verify import verify_checkpoint
+from fastpersist_dist.util.config import MiB, WriteConfig
 
+from .faults import KILL_AT, KILLABLE, Raised, die_at_file_size, random_records, run_faulty, save_error
 from .helpers import (
     ASYNC_KW,
     COMMON_STATE_OBJECT,
@@ -70,132 +60,19 @@ from .helpers import (
     save,
     sharded,
 )
-from .multiproc import run_ranks
+
+pytestmark = pytest.mark.engine
 
 logger = logging.getLogger(__name__)
 
 BIG = (2048, 4096)  # float32: 16 MiB per rank of 2
 HUGE = (16384, 8192)  # float32: 256 MiB per rank of 2
 SMALL = (64, 256)
-KILL_AT = 4 * MiB  # a victim dies when its data file reaches this size
-# The kernel signals (SIGXFSZ) only a write that starts at or past the limit; one that straddles
-# it is cut short in silence (the size check then fails the save instead). A write killed half
-# way therefore needs aio blocks smaller than KILL_AT, so that a later block starts past it.
-KILLABLE = {"aio_block_mb": 1}
 DEAD_PEER = "a rank died or timed out"
-
-
-# --------------------------------------------------------------------------- harness
-
-
-@dataclass
-class Outcome:
-    """How one rank ended: returned ``value``, raised (``value`` is the traceback), or was killed."""
-
-    kind: str  # "ok", "raised", "killed", "stopped"
-    value: Any = None
-
-
-def _entry(rank: int, world: int, port: int, pg_timeout: float, fn: Callable, args: tuple, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
-        out.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001 - reported to the test
-        out.put((rank, "raised", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_faulty(
-    world: int, fn: Callable, *args: Any, pg_timeout: float = 120, deadline: float = 240,
-    wait_for: Optional[set[int]] = None,
-) -> dict[int, Outcome]:
-    """Run ``fn(rank, world, *args)`` on forked gloo ranks, some of which are expected to die.
-
-    Waits until every rank in ``wait_for`` (default: all) reported or was killed;
-    the others are then SIGKILLed ("stopped"). A rank still running at
-    ``deadline`` seconds fails the test: that is the hang this harness exists to catch.
-    """
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_entry, args=(r, world, port, pg_timeout, fn, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    waiting = set(range(world)) if wait_for is None else set(wait_for)
-    results: dict[int, Outcome] = {}
-    end = time.monotonic() + deadline
-    try:
-        while waiting - results.keys():
-            for r in waiting - results.keys():
-                code = procs[r].exitcode
-                if code is not None and code < 0:
-                    results[r] = Outcome("killed", -code)
-            if not waiting - results.keys():
-                break
-            if time.monotonic() > end:
-                raise AssertionError(f"ranks {sorted(waiting - results.keys())} hung past {deadline} s; got {results}")
-            try:
-                rank, kind, value = out.get(timeout=0.2)
-                results[rank] = Outcome(kind, value)
-            except queue_module.Empty:
-                pass
-    finally:
-        for r, p in enumerate(procs):
-            if p.is_alive() and r not in waiting:
-                p.kill()
-                results.setdefault(r, Outcome("stopped"))
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return results
-
-
-def _die_at_file_size(limit: int) -> None:
-    """SIGKILL this process as soon as it writes a file past ``limit`` bytes.
-
-    The kernel raises SIGXFSZ (RLIMIT_FSIZE) at the first write starting there (see KILLABLE); the handler
-    turns it into SIGKILL, i.e. a crash in the middle of the write. Both the
-    limit and the handler are inherited by processes forked from here on.
-    """
-    signal.signal(signal.SIGXFSZ, lambda *_: os.kill(os.getpid(), signal.SIGKILL))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-
-
-def _live_again() -> None:
-    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
 
 
 def _sd(key: str, shape: tuple[int, int], rank: int, world: int, salt: int, split: Any = 0) -> dict:
     return {key: sharded(key, global_tensor(key, shape, salt=salt), rank, world, split)}
-
-
-@dataclass(repr=False)
-class Raised:
-    """What a call that had to fail raised, and after how long (logged, never asserted)."""
-
-    kind: str
-    message: str
-    seconds: float
-    trace: str
-
-    def __repr__(self) -> str:  # what a failing assertion shows
-        return f"{self.kind} after {self.seconds:.2f} s:\n{self.trace}"
-
-
-def _save_error(call: Callable[[], Any]) -> Raised:
-    start = time.monotonic()
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-        return Raised(type(e).__name__, str(e), time.monotonic() - start, traceback.format_exc())
-    raise AssertionError("the call was expected to fail")
 
 
 def _files(path: str, pattern: str = "fastpersist") -> list[str]:
@@ -261,8 +138,8 @@ def _assert_survivors_raised(outcomes: dict[int, Outcome], victim: int, new: str
 def _die_while_writing(rank: int, world: int, root: str, victim: int) -> Raised:
     save(_sd("s", SMALL, rank, world, 1), f"{root}/prev")
     if rank == victim:
-        _die_at_file_size(KILL_AT)
-    return _save_error(lambda: save(_sd("w", BIG, rank, world, 2), f"{root}/new", **KILLABLE))
+        die_at_file_size(KILL_AT)
+    return save_error(lambda: save(_sd("w", BIG, rank, world, 2), f"{root}/new", **KILLABLE))
 
 
 def _die_after_writing(rank: int, world: int, root: str, victim: int) -> Raised:
@@ -278,7 +155,7 @@ def _die_after_writing(rank: int, world: int, root: str, victim: int) -> Raised:
         for fn in request.finalize_fns:
             fn()
 
-    return _save_error(finalize)
+    return save_error(finalize)
 
 
 @pytest.mark.parametrize("victim", [0, 1])
@@ -303,8 +180,8 @@ def _overwrite_and_die(rank: int, world: int, root: str, victim: int) -> Raised:
     save(_sd("s", SMALL, rank, world, 1), f"{root}/prev")
     save(_sd("w", BIG, rank, world, 1), f"{root}/ckpt")
     if rank == victim:
-        _die_at_file_size(KILL_AT)
-    return _save_error(lambda: save(_sd("w", BIG, rank, world, 2), f"{root}/ckpt", **KILLABLE))
+        die_at_file_size(KILL_AT)
+    return save_error(lambda: save(_sd("w", BIG, rank, world, 2), f"{root}/ckpt", **KILLABLE))
 
 
 def test_overwrite_killed_half_way_is_refused_not_mixed(tmp_path):
@@ -333,7 +210,7 @@ def _async_writer_killed(rank: int, world: int, root: str) -> tuple[Raised, None
         assert written < HUGE[0] * HUGE[1] * 4 // world and not os.path.exists(f"{root}/new/{status_file_name(1)}"), \
             f"the writer finished ({written} bytes) before it could be stopped mid-write"
         os.kill(writer, signal.SIGKILL)
-    error = _save_error(lambda: queue.maybe_finalize(blocking=True))
+    error = save_error(lambda: queue.maybe_finalize(blocking=True))
     make_dir(f"{root}/again")  # the trainers survived: the next save works (rank 1 with a new writer)
     queue.schedule(dist_checkpointing.save(_sd("w", BIG, rank, world, 3), f"{root}/again",
                                            sharded_strategy=strategy, async_sharded_save=True, **ASYNC_KW))
@@ -369,7 +246,7 @@ def _trainer_killed(rank: int, world: int, root: str, pid_file: str) -> Raised:
         with open(pid_file, "w") as f:
             f.write(str(writer))
         os.kill(os.getpid(), signal.SIGKILL)
-    return _save_error(lambda: queue.maybe_finalize(blocking=True))
+    return save_error(lambda: queue.maybe_finalize(blocking=True))
 
 
 def _alive(pid: int) -> bool:
@@ -412,7 +289,7 @@ def _freeze_after_writing(rank: int, world: int, root: str) -> Raised:
         for fn in request.finalize_fns:
             fn()
 
-    return _save_error(finalize)
+    return save_error(finalize)
 
 
 def test_hung_rank_is_bounded_by_the_process_group_timeout(tmp_path):
@@ -428,26 +305,12 @@ def test_hung_rank_is_bounded_by_the_process_group_timeout(tmp_path):
 # --------------------------------------------------------------------------- 2. read-back
 
 
-def _records(lengths: list[int], rank: int) -> list[WriteItem]:
-    shards, offset = [], 0
-    for i, n in enumerate(lengths):
-        data = torch.from_numpy(np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8))
-        record = ShardRecord(
-            key=f"r{i}", kind="tensor", dtype="uint8", local_shape=(n,), global_shape=(n,), global_offset=(0,),
-            axis_fragmentations=None, prepend_axis_num=0, flattened_range=None, replica_id=0,
-            file=data_file_name(rank), offset=offset, length=n, checksums=(),
-        )
-        shards.append(WriteItem(record, data))
-        offset += n
-    return shards
-
-
 def _readback(rank: int, world: int, root: str) -> None:
     # In a forked process: the aio handle and torch's thread pool stay out of the pytest process.
     rank, block = 3, MiB
     path = os.path.join(root, data_file_name(rank))
     lengths = [5 * MiB // 2, 0, 3 * MiB + 5]  # blocks in file order: r0 0..2 (last short), r2 0..3 (last 5 bytes)
-    result = write_rank_file(path, _records(lengths, rank), WriteConfig(checksum_block_mb=1), rank)
+    result = write_rank_file(path, random_records(lengths, rank), WriteConfig(checksum_block_mb=1), rank)
     assert result.mode == "direct" and os.path.getsize(path) == sum(lengths)
     records = result.records
     assert confirm_on_disk(path, records, block, rank) == MiB + 5  # default: first and last block of the file
@@ -473,23 +336,6 @@ def test_readback_compares_sampled_blocks_with_what_was_streamed(tmp_path):
 # --------------------------------------------------------------------------- 3. full disk, 4. read-only
 
 
-@pytest.fixture
-def small_fs(tmp_path) -> Iterator[str]:
-    """An 8 MiB tmpfs, unmounted afterwards."""
-    mnt = str(tmp_path / "fs")
-    os.makedirs(mnt)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", mnt], check=False,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN): {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", mnt], check=False)
-        if os.path.ismount(mnt):
-            subprocess.run(["umount", "-l", mnt], check=False)
-
-
 def _remount(mnt: str, mode: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{mode}", mnt], check=True)
 
@@ -502,7 +348,7 @@ UNEVEN_SPLIT = (1, 192)
 def _fill_the_disk(rank: int, world: int, fs: str) -> tuple[Raised, list[str]]:
     save(_sd("s", SMALL, rank, world, 1), f"{fs}/prev")
     save(_sd("s", SMALL, rank, world, 1), f"{fs}/over")
-    error = _save_error(lambda: save(_sd("u", UNEVEN, rank, world, 2, UNEVEN_SPLIT), f"{fs}/over"))
+    error = save_error(lambda: save(_sd("u", UNEVEN, rank, world, 2, UNEVEN_SPLIT), f"{fs}/over"))
     refused = _refused(rank, world, f"{fs}/over", "u", UNEVEN, metadata=True)
     leftovers = _files(f"{fs}/over", "fastpersist_r")
     dist.barrier()
@@ -544,7 +390,7 @@ def _full_at_commit(rank: int, world: int, fs: str) -> Raised:
         for fn in request.finalize_fns:
             fn()
 
-    error = _save_error(finalize)
+    error = save_error(finalize)
     dist.barrier()
     if rank == 0:
         os.unlink(filler)
@@ -614,10 +460,11 @@ def test_missing_directory_fails_on_every_rank_before_writing(tmp_path):
 
 
 def _megatron_save_into(rank: int, world: int, path: str) -> Raised:
-    return _save_error(lambda: dist_checkpointing.save(_sd("s", SMALL, rank, world, 2), path,
+    return save_error(lambda: dist_checkpointing.save(_sd("s", SMALL, rank, world, 2), path,
                                                        sharded_strategy=native_strategy()))
 
 
+@pytest.mark.contract
 @pytest.mark.parametrize("case", ["missing", "read_only"])
 def test_megatron_save_into_unusable_directory_fails_on_rank_0_and_unblocks_the_rest(request, tmp_path, case):
     if case == "read_only":
@@ -653,6 +500,7 @@ def _load_hostile_common(rank: int, world: int, path: str) -> None:
         load(req, path)
 
 
+@pytest.mark.contract
 def test_hostile_common_pt_is_refused_by_torch_weights_only(tmp_path):
     path = str(tmp_path / "ckpt")
     run_ranks(1, lambda rank, world: save(_sd("s", SMALL, rank, world, 1), path))
@@ -668,10 +516,10 @@ def _memlock_limited(rank: int, world: int, root: str) -> list[str]:
     prepare_direct_writes(WriteConfig(direct_io="on"))  # a writer process at load_ops: the write says why
     path = os.path.join(root, data_file_name(rank))
     lengths = [3 * MiB, 7]
-    result = write_rank_file(path, _records(lengths, rank), WriteConfig(), rank)
+    result = write_rank_file(path, random_records(lengths, rank), WriteConfig(), rank)
     assert result.mode == "buffered" and os.path.getsize(path) == sum(lengths)
     with pytest.raises(FastPersistError) as info:
-        write_rank_file(path, _records(lengths, rank), WriteConfig(direct_io="on"), rank)
+        write_rank_file(path, random_records(lengths, rank), WriteConfig(direct_io="on"), rank)
     return [str(info.value)]
 
 

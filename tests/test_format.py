@@ -7,17 +7,19 @@ from dataclasses import replace
 
 import pytest
 
-from fastpersist_dist.checksum import digest_bytes
-from fastpersist_dist.coverage import coverage_errors
-from fastpersist_dist.errors import CorruptCheckpointError, FastPersistError
-from fastpersist_dist.format import (
+from fastpersist_dist.format.checksum import digest_bytes
+from fastpersist_dist.format.coverage import coverage_errors
+from fastpersist_dist.format.records import (
     CONTAINER_TORCH_SAVE,
     CheckpointIndex,
     ShardRecord,
     _canonical,
     data_file_name,
 )
-from fastpersist_dist.plan import place_in_rank_file
+from fastpersist_dist.plan.writes import place_in_rank_file
+from fastpersist_dist.util.errors import CorruptCheckpointError, FastPersistError
+
+pytestmark = pytest.mark.engine
 
 
 def rec(key="w", offset=(0, 0), local=(2, 3), glob=(4, 3), file=None, off=0, dtype="float32", **kw):

@@ -1,40 +1,34 @@
 """Accelerator tensors (CUDA): saved and loaded bit-exactly, async snapshots copied device-to-host into locked memory.
 
-Skipped without CUDA; ``scripts/gpu_check.sh`` runs these (``-m gpu``) and the
-benchmark on a GPU machine. Whether CUDA exists is asked in a subprocess: the
-ranks are forked, and a CUDA context made in this process would not survive it.
+Skipped without CUDA; ``scripts/gpu_check.sh`` runs these (``-m gpu``, where a
+skip is a failure) and the benchmark on a GPU machine.
 """
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
 from megatron.core import dist_checkpointing
 
 from fastpersist_dist import FastPersistSaveStrategy
-from fastpersist_dist.async_queue import AsyncSaveQueue
+from fastpersist_dist.engine.async_queue import AsyncSaveQueue
+from fastpersist_dist.tools.ranks import run_ranks
 
 from .helpers import load, make_dir, native_strategy, save
-from .multiproc import run_ranks
-from .test_async import async_save, load_and_compare, mutate, snapshot, state
+from .states import async_save, async_state, load_and_compare, mutate, snapshot
+
+pytestmark = [pytest.mark.engine, pytest.mark.gpu]
 
 
-def _cuda_devices() -> int:
-    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_devices() == 0, reason="needs a CUDA device")]
+@pytest.fixture(autouse=True)
+def _on_cuda(cuda_devices: int) -> None:
+    """Every test here needs a CUDA device (the ``gpu`` need: scripts/gpu_check.sh requires it)."""
 
 
 def gpu_state(rank: int, world: int) -> dict:
     """The async tests' state (several dtypes, a strided view, a replica) on this rank's GPU."""
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    sd = state(rank, world)
+    sd = async_state(rank, world)
     for sh in sd.values():
         sh.data = sh.data.cuda()
     return sd

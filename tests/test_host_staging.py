@@ -10,12 +10,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import torch
 
-from fastpersist_dist.config import MiB, WriteConfig
 from fastpersist_dist.storage import host_staging, writer
 from fastpersist_dist.storage.host_staging import ALIGN, Ring, staging_block
+from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist.util.config import MiB, WriteConfig
 
-from .multiproc import run_ranks
-from .test_faults import _records
+from .faults import random_records
+
+pytestmark = pytest.mark.engine
 
 
 def test_the_ring_hands_out_regions_in_order_and_wraps_only_into_what_was_given_back():
@@ -53,7 +55,7 @@ def _read_at_once(data: torch.Tensor) -> Future:
 @pytest.mark.parametrize("slow", [True, False], ids=["checksums-behind", "checksums-ahead"])
 def test_a_copy_keeps_its_region_until_both_written_and_checksummed(slow):
     lengths = [3 * ALIGN + 1, 5 * ALIGN, 2 * ALIGN, 4 * ALIGN - 7, 6 * ALIGN, ALIGN]
-    items = _strided(_records(lengths, 0))
+    items = _strided(random_records(lengths, 0))
     block = torch.zeros(8 * ALIGN, dtype=torch.uint8)  # two or three copies at once: regions are reused
     with ThreadPoolExecutor(1) as checksummer:
         read = (lambda data: checksummer.submit(_slow_read, data)) if slow else _read_at_once
@@ -79,7 +81,7 @@ def _write_through_the_block(rank: int, world: int, root: str) -> None:
     # In a forked process: the aio handle and the block stay out of the pytest process.
     writer.HOST_COPY_BYTES = 10 * MiB  # so that the copies below wrap around it, and one outgrows it
     lengths = [3 * MiB + 7, 5 * MiB + 1, 0, 4 * MiB, 11 * MiB + 3, 7 * MiB, 2 * MiB + 64, 6 * MiB, 3]
-    contiguous = _records(lengths, rank)
+    contiguous = random_records(lengths, rank)
     expected = b"".join(bytes(item.data.numpy()) for item in contiguous)
     cfg = WriteConfig(io_buffer_mb=1, checksum_block_mb=1)
     want = writer.write_rank_file(os.path.join(root, "contiguous.bin"), contiguous, cfg, rank).records

@@ -9,11 +9,9 @@ import shutil
 import pytest
 
 from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy
-from fastpersist_dist.bench.simulate import Layout, loader_requests, paged_index
-from fastpersist_dist.commit import read_index
-from fastpersist_dist.errors import FastPersistError
-from fastpersist_dist.format import INDEX_FILE
-from fastpersist_dist.index_pages import (
+from fastpersist_dist.engine.index_reader import read_index
+from fastpersist_dist.engine.load import requested_boxes
+from fastpersist_dist.format.index_pages import (
     PAGED_VERSION,
     is_paged,
     meets,
@@ -23,12 +21,16 @@ from fastpersist_dist.index_pages import (
     record_bounds,
     select_pages,
 )
-from fastpersist_dist.load_engine import requested_boxes
-from fastpersist_dist.verify import verify_checkpoint
+from fastpersist_dist.format.records import INDEX_FILE
+from fastpersist_dist.tools.bench.simulate import Layout, loader_requests, paged_index
+from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist.tools.verify import verify_checkpoint
+from fastpersist_dist.util.errors import FastPersistError
 
-from .helpers import save
-from .multiproc import run_ranks
-from .test_balance import SHAPES, TP, _dp_group, check_loaded, load, template, tp_dp_state
+from .helpers import load, save
+from .states import SHAPES, TP, check_loaded, dp_group, template, tp_dp_state
+
+pytestmark = pytest.mark.contract
 
 SMALL = {"tp": 2, "pp": 3, "layers": 6, "hidden": 256, "vocab": 512}
 
@@ -57,7 +59,7 @@ def test_a_resuming_rank_selects_every_record_it_needs_and_little_else(dist_opt)
 
 
 def _save_groups_and_select(rank: int, world: int, root: str, checkpoint_format: str) -> tuple[int, int]:
-    save(tp_dp_state(rank, 1), root, FastPersistSaveStrategy(checkpoint_format, parallel_group=_dp_group(rank)))
+    save(tp_dp_state(rank, 1), root, FastPersistSaveStrategy(checkpoint_format, parallel_group=dp_group(rank)))
     request = template(tp_dp_state(rank, 1))
     check_loaded(load(request, root), rank, 1)
     top = _top(root)

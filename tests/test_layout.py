@@ -6,7 +6,16 @@ import math
 import numpy as np
 import pytest
 
-from fastpersist_dist.layout import blocks_touched, c_strides, coalesce, contiguous_runs, flat_range_to_boxes, intersect
+from fastpersist_dist.format.layout import (
+    blocks_touched,
+    c_strides,
+    coalesce,
+    contiguous_runs,
+    flat_range_to_boxes,
+    intersect,
+)
+
+pytestmark = pytest.mark.engine
 
 SHAPES = [(), (7,), (3, 5), (2, 3, 4), (4, 1, 3, 2)]
 

@@ -31,31 +31,17 @@ import torch
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
 from fastpersist_dist import FastPersistSaveStrategy, compat
-from fastpersist_dist import nemo as fastpersist_nemo
-from fastpersist_dist.format import INDEX_FILE
-from fastpersist_dist.verify import verify_checkpoint
+from fastpersist_dist.format.records import INDEX_FILE
+from fastpersist_dist.integrations import nemo as fastpersist_nemo
+from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist.tools.verify import verify_checkpoint
 
 from .cpu_cuda import stand_in_for_cuda
 from .helpers import NVRX_DIR, megatron_queue, rows_and_replica
-from .multiproc import run_ranks
 
-if os.environ.get("FASTPERSIST_NEMO"):
-    sys.path.append(os.environ["FASTPERSIST_NEMO"])  # after site-packages: torch and megatron-core stay the venv's
-
-
-def _nemo_missing() -> str:
-    try:
-        pl = importlib.import_module("nemo.lightning.io.pl")
-    except ImportError as e:
-        return (f"NeMo 2 is not importable ({e}); pip install --target DIR 'nemo_toolkit[lightning]==2.7.3' and set "
-                "FASTPERSIST_NEMO=DIR")
-    if not getattr(pl, "HAVE_MEGATRON_CORE", False):
-        return "NeMo's nemo.lightning.io.pl could not import this megatron-core (NeMo 2 needs megatron-core <= 0.18)"
-    return ""
-
+pytestmark = pytest.mark.contract
 
 STEP = 7
-needs_nemo = pytest.mark.skipif(bool(_nemo_missing()), reason=_nemo_missing() or "NeMo is importable")
 
 
 def _state(rank: int, world: int, empty: bool) -> dict:
@@ -119,9 +105,8 @@ if compat.REGISTRY:  # megatron-core 0.16 picks our loader for the native format
     CASES.append(("fastpersist", False, False))
 
 
-@needs_nemo
 @pytest.mark.parametrize("checkpoint_format,async_save,parallel_load", CASES)
-def test_nemo_checkpoint_io_saves_and_loads_through_fastpersist(tmp_path, checkpoint_format, async_save,
+def test_nemo_checkpoint_io_saves_and_loads_through_fastpersist(nemo, tmp_path, checkpoint_format, async_save,
                                                                  parallel_load):
     path = str(tmp_path / "step=1")
     result = run_ranks(2, _save_and_load_through_nemo, path, checkpoint_format, async_save, parallel_load)[0]
@@ -138,8 +123,7 @@ def test_nemo_checkpoint_io_saves_and_loads_through_fastpersist(tmp_path, checkp
     assert report.ok, report.problems
 
 
-@needs_nemo
-def test_disable_gives_nemo_its_own_strategies_back():
+def test_disable_gives_nemo_its_own_strategies_back(nemo):
     modules = [importlib.import_module(name) for name in fastpersist_nemo.CHECKPOINT_IO_MODULES]
     names = (*fastpersist_nemo.SAVE_NAMES, *fastpersist_nemo.LOAD_NAMES, compat.WRAPPER_SEAM)
     before = [{name: getattr(module, name, None) for name in names} for module in modules]

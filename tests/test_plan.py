@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 import random
+from dataclasses import replace
 
 import pytest
 
-from fastpersist_dist.bench.gpt_state import GptShape
-from fastpersist_dist.coverage import coverage_errors
-from fastpersist_dist.format import KIND_OBJECT, KIND_TENSOR, ShardRecord
-from fastpersist_dist.plan import WHOLE_SHARD_SLACK, PlanCache, PlanError, plan_writes
+from fastpersist_dist.format.coverage import coverage_errors
+from fastpersist_dist.format.records import KIND_OBJECT, KIND_TENSOR, ShardRecord
+from fastpersist_dist.plan.writes import WHOLE_SHARD_SLACK, PlanCache, PlanError, plan_writes
+from fastpersist_dist.tools.bench.gpt_state import GptShape
+
+pytestmark = pytest.mark.engine
 
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import io
 
-from fastpersist_dist import progress
-from fastpersist_dist.progress import LOG_INTERVAL_S, TTY_INTERVAL_S, ProgressLine, format_eta, format_progress
+import pytest
+
+from fastpersist_dist.util import progress
+from fastpersist_dist.util.progress import LOG_INTERVAL_S, TTY_INTERVAL_S, ProgressLine, format_eta, format_progress
+
+pytestmark = pytest.mark.engine
 
 GiB = 2**30
 

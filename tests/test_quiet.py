@@ -6,13 +6,17 @@ import os
 import subprocess
 import sys
 
-from fastpersist_dist_cli.quiet import LOGGED, WARNINGS
+import pytest
+
+from fastpersist_dist.util.quiet import LOGGED, WARNINGS
+
+pytestmark = pytest.mark.engine
 
 # Emits every known warning and one unknown of each kind, here and in a child interpreter.
 EMIT = """
 import logging, subprocess, sys, warnings
-from fastpersist_dist_cli.quiet import LOGGED, WARNINGS
 {setup}
+from fastpersist_dist.util.quiet import LOGGED, WARNINGS
 logging.basicConfig(format="%(name)s: %(message)s")
 for category, start in WARNINGS:
     warnings.warn(start + " (here)", category)
@@ -37,7 +41,8 @@ def _stderr(setup: str) -> str:
 
 
 def test_command_processes_hide_the_known_warnings_and_keep_the_rest():
-    err = _stderr("from fastpersist_dist_cli.quiet import quiet_dependencies\nquiet_dependencies()")
+    """A command (here ``inspect`` of a directory that is not there) imports the package quietly."""
+    err = _stderr("from fastpersist_dist_cli import main\nmain(['inspect', '/nonexistent/fastpersist-quiet'])")
     known = [start for _, start in WARNINGS] + [start for starts in LOGGED.values() for start in starts]
     assert not [start for start in known if start in err], err
     assert "unknown warning (here)" in err and "unknown record (here)" in err
@@ -53,7 +58,8 @@ def test_importing_the_library_hides_nothing():
 
 def test_processes_started_by_a_command_import_the_library_quietly():
     """Our writer process (a fresh interpreter) imports the package under the command's FASTPERSIST_QUIET."""
-    err = _stderr("import os\nos.environ['FASTPERSIST_QUIET'] = '1'\nimport fastpersist_dist")
+    err = _stderr("import os\nfrom fastpersist_dist_cli import QUIET_ENV\nos.environ[QUIET_ENV] = '1'\n"
+                  "import fastpersist_dist")
     known = [start for _, start in WARNINGS] + [start for starts in LOGGED.values() for start in starts]
     assert not [start for start in known if start in err], err
 

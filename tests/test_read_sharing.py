@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import shutil
 
 import pytest
 import torch
@@ -13,14 +12,16 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
 from fastpersist_dist import FastPersistLoadStrategy
-from fastpersist_dist.errors import CorruptCheckpointError, FastPersistError
-from fastpersist_dist.format import data_file_name
-from fastpersist_dist.read_exchange import sharing_group
-from fastpersist_dist.read_sharing import Need, Transfer, plan_sharing
+from fastpersist_dist.engine.read_exchange import sharing_group
+from fastpersist_dist.format.records import data_file_name
+from fastpersist_dist.plan.read_sharing import Need, Transfer, plan_sharing
 from fastpersist_dist.storage.stream_reader import on_memory_filesystem
+from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist.util.errors import CorruptCheckpointError, FastPersistError
 
 from .helpers import flip_bit, global_tensor, save
-from .multiproc import run_ranks
+
+pytestmark = pytest.mark.contract
 
 MiB = 1 << 20
 
@@ -151,7 +152,7 @@ class _Plans(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.lines: list[str] = []
-        logger = logging.getLogger("fastpersist_dist.read_exchange")
+        logger = logging.getLogger("fastpersist_dist.engine.read_exchange")
         logger.setLevel(logging.DEBUG)
         logger.addHandler(self)
 
@@ -217,17 +218,11 @@ def test_resharded_load_takes_over_reads_alone_between_the_other_ranks(tmp_path)
                for lines in logs), logs
 
 
-def test_in_memory_filesystems_read_unshared_unless_told(tmp_path):
-    path = "/dev/shm/fastpersist-test-sharing"
-    if not on_memory_filesystem("/dev/shm"):
-        pytest.skip("no tmpfs at /dev/shm")
-    shutil.rmtree(path, ignore_errors=True)
-    try:
-        run_ranks(2, _save_rows, path)
-        assert run_ranks(2, _load_columns, path, "auto", "auto") == [[], []]
-        assert all(len(lines) == 1 for lines in run_ranks(2, _load_columns, path, "on", "auto"))
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def test_in_memory_filesystems_read_unshared_unless_told(shm_dir):
+    path = f"{shm_dir}/ckpt"
+    run_ranks(2, _save_rows, path)
+    assert run_ranks(2, _load_columns, path, "auto", "auto") == [[], []]
+    assert all(len(lines) == 1 for lines in run_ranks(2, _load_columns, path, "on", "auto"))
 
 
 def _load_expect_error(rank: int, world: int, path: str, bad_rank: int) -> str:

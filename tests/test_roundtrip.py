@@ -11,10 +11,12 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor, serialization
 
 from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, compat
-from fastpersist_dist.format import INDEX_FILE, data_file_name
+from fastpersist_dist.format.records import INDEX_FILE, data_file_name
+from fastpersist_dist.tools.ranks import run_ranks
 
 from .helpers import assert_same, empty_like_request, global_tensor, load, logged, save, sharded
-from .multiproc import run_ranks
+
+pytestmark = pytest.mark.contract
 
 DTYPES = [
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
@@ -23,7 +25,7 @@ DTYPES = [
 
 
 def rich_state_dict(rank: int, world: int) -> dict:
-    """Every kind of entry issue #2 lists, as a nested dict."""
+    """Every kind of entry a megatron state dict holds (dtypes, a scalar, an empty shard, views, objects), nested."""
     sd: dict = {"dtypes": {}}
     for dt in DTYPES:
         name = str(dt).split(".")[1]

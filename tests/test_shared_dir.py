@@ -9,12 +9,14 @@ import pytest
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from fastpersist_dist import SaveFailedError, prepare_checkpoint_dir
-from fastpersist_dist.format import data_file_name
-from fastpersist_dist.shared_dir import DirView, filesystem_of, parse_mountinfo, view_of, why_not_shared
-from fastpersist_dist.verify import verify_checkpoint
+from fastpersist_dist.format.records import data_file_name
+from fastpersist_dist.storage.shared_dir import DirView, filesystem_of, parse_mountinfo, view_of, why_not_shared
+from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist.tools.verify import verify_checkpoint
 
 from .helpers import global_tensor, native_strategy, save, sharded
-from .multiproc import run_ranks
+
+pytestmark = pytest.mark.contract
 
 MOUNTINFO = """\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
@@ -90,19 +92,6 @@ def _own_directory_at(path: str, other: str) -> None:
             raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _can_make_mount_namespaces(tmp_path) -> bool:
-    a, b = tmp_path / "probe_a", tmp_path / "probe_b"
-    a.mkdir(), b.mkdir()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _own_directory_at(str(a), str(b))
-            os._exit(0)
-        except OSError:
-            os._exit(1)
-    return os.waitpid(pid, 0)[1] == 0
-
-
 def _save_where_rank_1_sees_another_directory(rank: int, world: int, root: str, require: bool) -> list[str]:
     mine = os.path.join(root, "ckpts")
     if rank == 1:
@@ -123,9 +112,8 @@ def _save_where_rank_1_sees_another_directory(rank: int, world: int, root: str, 
     return []
 
 
-def test_a_save_where_a_rank_sees_another_directory_is_refused_before_writing(tmp_path):
-    if not _can_make_mount_namespaces(tmp_path):
-        pytest.skip("needs CAP_SYS_ADMIN to give a rank its own mount namespace (as root on Linux)")
+def test_a_save_where_a_rank_sees_another_directory_is_refused_before_writing(root, tmp_path):
+    """Rank 1 gets its own mount namespace (CAP_SYS_ADMIN: the ``root`` need) with another directory bound there."""
     for sub in ("ckpts/step_1", "elsewhere/step_1"):  # each "node" has the directory, as after a mkdir -p on each
         (tmp_path / sub).mkdir(parents=True)
     ckpt, other = tmp_path / "ckpts" / "step_1", tmp_path / "elsewhere" / "step_1"

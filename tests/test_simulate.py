@@ -8,9 +8,11 @@ import sys
 
 import pytest
 
-from fastpersist_dist.bench.simulate import Layout, format_table, paged_index, placed_index_records, simulate
-from fastpersist_dist.coverage import coverage_errors
-from fastpersist_dist.plan import PlanCache
+from fastpersist_dist.format.coverage import coverage_errors
+from fastpersist_dist.plan.writes import PlanCache
+from fastpersist_dist.tools.bench.simulate import Layout, format_table, paged_index, placed_index_records, simulate
+
+pytestmark = pytest.mark.engine
 
 SMALL = {"tp": 2, "pp": 3, "layers": 6, "hidden": 256, "vocab": 512}
 

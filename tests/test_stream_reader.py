@@ -8,7 +8,6 @@ record saved first misaligns the elements that follow it in the file.
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -16,12 +15,10 @@ from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 
 from fastpersist_dist import FastPersistLoadStrategy
-from fastpersist_dist.commit import read_index
-from fastpersist_dist.config import MiB, WriteConfig
-from fastpersist_dist.errors import CorruptCheckpointError
-from fastpersist_dist.format import KIND_TENSOR, data_file_name
-from fastpersist_dist.layout import Extent
-from fastpersist_dist.load_engine import Loader
+from fastpersist_dist.engine.index_reader import read_index
+from fastpersist_dist.engine.load import Loader
+from fastpersist_dist.format.layout import Extent
+from fastpersist_dist.format.records import KIND_TENSOR, data_file_name
 from fastpersist_dist.storage.deepspeed_ops import aio_resources
 from fastpersist_dist.storage.reader import MAX_READ_GAP, ShardReader
 from fastpersist_dist.storage.stream_reader import (
@@ -33,16 +30,20 @@ from fastpersist_dist.storage.stream_reader import (
     open_stream,
     split_into_pieces,
 )
+from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist.util.config import MiB, ReadConfig
+from fastpersist_dist.util.errors import CorruptCheckpointError
 
 from .helpers import assert_same, empty_like_request, flip_bit, global_tensor, load, save, sharded
-from .multiproc import run_ranks
+
+pytestmark = pytest.mark.contract
 
 BIG = (1002, 1030)  # rows of 4120 bytes: nothing aligned
 SLOT = 2 * MiB + 3 * ALIGN  # the smallest slot that fits two 1 MiB checksum blocks and alignment slack
 
 
 def _record(shape: tuple[int, ...], offset: int = 0, data_offset: int = 0, length: int = 0):
-    from fastpersist_dist.format import ShardRecord
+    from fastpersist_dist.format.records import ShardRecord
 
     n = 4 * torch.Size(shape).numel()
     return ShardRecord("t", KIND_TENSOR, "float32", shape, shape, (0,) * len(shape), None, 0, None, 0,
@@ -98,7 +99,7 @@ def _stream_load(rank: int, world: int, path: str, split: object) -> None:
     request = {k: empty_like_request(v) for k, v in want.items()}
     index = read_index(path, f"rank {rank}")
     with ShardReader(path, index, True, f"rank {rank}") as reader:
-        stream = StreamReader(reader, aio_resources(WriteConfig().aio), slot_bytes=SLOT)
+        stream = StreamReader(reader, aio_resources(ReadConfig().aio), slot_bytes=SLOT)
         assert stream.fits()
         loader = Loader(index, reader, rank, False, stream)
         dict_list_map_inplace(loader.load, request)
@@ -134,13 +135,13 @@ def _expect_corrupt(rank: int, world: int, path: str, slot: int) -> str:
     want = {"big": empty_like_request(_state(0, 1)["big"])}
     index = read_index(path, f"rank {rank}")
     with ShardReader(path, index, True, f"rank {rank}") as reader:
-        loader = Loader(index, reader, rank, False, StreamReader(reader, aio_resources(WriteConfig().aio), slot))
+        loader = Loader(index, reader, rank, False, StreamReader(reader, aio_resources(ReadConfig().aio), slot))
         dict_list_map_inplace(loader.load, want)
         with pytest.raises(CorruptCheckpointError) as info:
             loader.run(1)
         # The handle was left idle and its buffer free: the next load in this process works.
         intact = {"i8": empty_like_request(_state(0, 1)["i8"])}
-        loader = Loader(index, reader, rank, False, StreamReader(reader, aio_resources(WriteConfig().aio), slot))
+        loader = Loader(index, reader, rank, False, StreamReader(reader, aio_resources(ReadConfig().aio), slot))
         dict_list_map_inplace(loader.load, intact)
         loader.run(1)
         assert_same(intact["i8"], _state(0, 1)["i8"].data, "i8 after the error")
@@ -167,24 +168,19 @@ def _choices(rank: int, world: int, path: str) -> dict:
     for direct_io in ("auto", "on", "off"):
         for verify in (True, False):
             with ShardReader(path, index, verify, "test") as reader:
-                stream = open_stream(reader, lambda: aio_resources(WriteConfig().aio), direct_io)
+                stream = open_stream(reader, lambda: aio_resources(ReadConfig().aio), direct_io)
                 out[(direct_io, verify)] = stream is not None
     return out
 
 
-def test_stream_only_for_verified_loads_off_memory_filesystems(tmp_path):
+def test_stream_only_for_verified_loads_off_memory_filesystems(tmp_path, shm_dir):
     disk = str(tmp_path / "ckpt")
     run_ranks(1, _save, disk)
     assert filesystem_type(disk) not in ("tmpfs", "ramfs")
     choices = run_ranks(1, _choices, disk)[0]
     assert choices == {("auto", True): True, ("on", True): True, ("off", True): False,
                        ("auto", False): False, ("on", False): False, ("off", False): False}
-    if filesystem_type("/dev/shm") != "tmpfs":
-        pytest.skip("no tmpfs at /dev/shm")
-    shm = f"/dev/shm/fastpersist-test-{os.getpid()}"
-    try:
-        run_ranks(1, _save, shm)
-        choices = run_ranks(1, _choices, shm)[0]
-        assert not choices[("auto", True)]  # a pread from memory beats a bounce through the locked buffer
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    shm = f"{shm_dir}/ckpt"
+    run_ranks(1, _save, shm)
+    choices = run_ranks(1, _choices, shm)[0]
+    assert not choices[("auto", True)]  # a pread from memory beats a bounce through the locked buffer

@@ -17,7 +17,8 @@ import pytest
 
 from fastpersist_dist.storage.deepspeed_ops import _arch_list_deepspeed_sorts, _libaio_hint, use_venv_extension_cache
 
-OTHER_PYTHON = os.environ.get("FASTPERSIST_OTHER_PYTHON")
+pytestmark = pytest.mark.engine
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OWN_ENV_VARS = ("TORCH_EXTENSIONS_DIR", "FASTPERSIST_TORCH_EXT_DIR")
 
@@ -46,11 +47,10 @@ def _builds(prefix: str) -> dict[str, tuple[int, int]]:
             for d, _, files in os.walk(root) for f in files}
 
 
-@pytest.mark.skipif(not OTHER_PYTHON, reason="needs a second venv: FASTPERSIST_OTHER_PYTHON=<other venv>/bin/python "
-                                             "(.ci/run sets it in its second run)")
-def test_second_venv_leaves_the_first_ones_ops_alone(monkeypatch):
+@pytest.mark.slow
+def test_second_venv_leaves_the_first_ones_ops_alone(other_python, monkeypatch):
     clean = {k: v for k, v in os.environ.items() if k not in OWN_ENV_VARS}
-    pythons = (sys.executable, OTHER_PYTHON)
+    pythons = (sys.executable, other_python)
     first = [_probe(p, clean) for p in pythons]  # each venv's ops built (set-up does it) and loaded
     for seen in first:
         ext = os.path.join(seen["prefix"], "torch_ext") + os.sep
@@ -62,7 +62,7 @@ def test_second_venv_leaves_the_first_ones_ops_alone(monkeypatch):
     for name in OWN_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     use_venv_extension_cache()
-    again = [_probe(p, dict(os.environ)) for p in (OTHER_PYTHON, sys.executable, OTHER_PYTHON)]
+    again = [_probe(p, dict(os.environ)) for p in (other_python, sys.executable, other_python)]
     assert again == [first[1], first[0], first[1]]  # same files, each from its own venv
     assert {prefix: _builds(prefix) for prefix in before} == before  # nothing rebuilt anywhere
 

@@ -6,12 +6,16 @@ import os
 import subprocess
 import sys
 
-from fastpersist_dist.commit import read_index
-from fastpersist_dist.format import INDEX_FILE, data_file_name
-from fastpersist_dist.verify import verify_checkpoint
+import pytest
+
+from fastpersist_dist.engine.index_reader import read_index
+from fastpersist_dist.format.records import INDEX_FILE, data_file_name
+from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist.tools.verify import verify_checkpoint
 
 from .helpers import ADDED_OBJECTS, global_tensor, save, sharded
-from .multiproc import run_ranks
+
+pytestmark = pytest.mark.engine
 
 
 def _save(rank: int, world: int, path: str) -> None:

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from megatron.core.dist_checkpointing import ShardedTensor
 
-from fastpersist_dist.config import MiB, WriteConfig
 from fastpersist_dist.storage.writer import HOST_COPY_BYTES, write_rank_file
+from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist.util.config import MiB, WriteConfig
 
+from .faults import random_records
 from .helpers import load, proc_status_kib, save
-from .multiproc import run_ranks
-from .test_faults import _records
+
+pytestmark = pytest.mark.contract
 
 
 def _same_file_every_way(rank: int, world: int, root: str) -> None:
     # In a forked process: the aio handle stays out of the pytest process.
     lengths = [3 * MiB + 7, 0, 5 * MiB + 1, 11]  # many buffer drains, pieces across drains, an unaligned tail
-    items = _records(lengths, rank)
+    items = random_records(lengths, rank)
     expected = b"".join(bytes(item.data.numpy()) for item in items)
     checksums = None
     for name, cfg in (("double", WriteConfig(io_buffer_mb=1, checksum_block_mb=1)),

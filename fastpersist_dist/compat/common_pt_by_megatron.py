@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from ..format import COMMON_FILE, aux_copy_name
+from ..format.records import COMMON_FILE, aux_copy_name
 
 
 def common_files(sharded_state_dict: dict, checkpoint_dir: str, rank: int, write_common_pt: bool) -> dict[str, bytes]:

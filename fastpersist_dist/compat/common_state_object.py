@@ -11,7 +11,7 @@ import io
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from ..format import COMMON_FILE
+from ..format.records import COMMON_FILE
 
 COMMON_STATE_KEY = "common_state"  # the ShardedObject megatron's save() adds
 

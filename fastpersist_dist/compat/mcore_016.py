@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from megatron.core.dist_checkpointing.strategies import torch as torch_strategies
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -18,10 +19,9 @@ from megatron.core.dist_checkpointing.strategies.base import (
     register_default_strategy,
 )
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-from megatron.core.dist_checkpointing.strategies import torch as torch_strategies
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-from .. import seams
+from . import seams
 
 DEFAULT_FORMAT = "fastpersist"
 # Keyword arguments of megatron's save() for an AsyncRequest that megatron's or our queue runs.

@@ -25,7 +25,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     get_async_strategy,
 )
 
-from .. import seams
+from . import seams
 
 DEFAULT_FORMAT = "torch_dist"
 # Keyword arguments of megatron's save() for an AsyncRequest that megatron's or our queue runs

@@ -29,10 +29,11 @@ import re
 import resource
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
+
+from ..util.config import AioSettings
 
 logger = logging.getLogger(__name__)
 
@@ -134,16 +135,6 @@ def ensure_fast_file_writer_usable() -> None:
         logger.debug("FastFileWriter: using the generic UtilsBuilder (accelerator has none)")
     with _arch_list_deepspeed_sorts():
         fast_file_writer.UtilsBuilder().load(verbose=False)
-
-
-@dataclass(frozen=True)
-class AioSettings:
-    """Parameters of one aio handle and its bounce buffer."""
-
-    block_size: int
-    queue_depth: int
-    intra_op_parallelism: int
-    buffer_bytes: int
 
 
 class LockedMemoryError(RuntimeError):

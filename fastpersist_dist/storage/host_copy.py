@@ -26,7 +26,8 @@ import logging
 import os
 import platform
 import subprocess
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -89,10 +90,30 @@ def _streamable(dest: torch.Tensor, source: torch.Tensor) -> bool:
             and not (source.is_conj() or source.is_neg()))
 
 
-def copy_to_host(dest: torch.Tensor, source: torch.Tensor) -> None:
-    """``dest.copy_(source)`` for a host ``dest`` of ``source``'s shape and dtype, streaming where it can."""
+def copy_to_host(dest: torch.Tensor, source: torch.Tensor) -> bool:
+    """``dest.copy_(source)`` for a host ``dest`` of ``source``'s shape and dtype, streaming where it can;
+    whether the streaming routine copied (False: torch's ``copy_``)."""
     routine = _routine() if _streamable(dest, source) else None
     if routine is None:
         dest.copy_(source)
-    elif source.numel():
+        return False
+    if source.numel():
         routine(dest.data_ptr(), source.data_ptr(), source.numel() * source.element_size())
+    return True
+
+
+@contextmanager
+def copies_on_this_thread() -> Iterator[None]:
+    """Run FastFileWriter's bounce-buffer fills (torch ``copy_``) on the calling thread alone.
+
+    torch's intra-op pool spins for as much CPU again as a large copy takes,
+    beside the checksum thread; one thread copies as fast here (measured with
+    scripts/writer_ab.py). A synchronous save blocks the trainer, so the
+    process-wide setting is restored before anything else runs.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

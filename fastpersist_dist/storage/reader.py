@@ -14,10 +14,10 @@ from typing import Optional
 
 import torch
 
-from ..checksum import first_bad_block
-from ..errors import CorruptCheckpointError
-from ..format import CheckpointIndex, ShardRecord, dtype_from_name, tensor_bytes
-from ..layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs
+from ..format.checksum import first_bad_block
+from ..format.layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs
+from ..format.records import CheckpointIndex, ShardRecord, dtype_from_name, tensor_bytes
+from ..util.errors import CorruptCheckpointError
 
 # Gaps up to this size between needed runs are read through rather than skipped.
 MAX_READ_GAP = 256 << 10

@@ -26,14 +26,14 @@ from typing import Callable, Optional
 
 import torch
 
-from ..checksum import digest_bytes
-from ..errors import FastPersistError
-from ..format import ShardRecord, dtype_from_name
-from ..layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs
-from ..shared_dir import mounted_filesystem
+from ..format.checksum import digest_bytes
+from ..format.layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs
+from ..format.records import ShardRecord, dtype_from_name
+from ..util.errors import FastPersistError
 from .deepspeed_ops import AioResources
+from .host_copy import copies_on_this_thread
 from .reader import MAX_READ_GAP, ShardReader, halves, split_axis
-from .writer import copies_on_this_thread
+from .shared_dir import mounted_filesystem
 
 logger = logging.getLogger(__name__)
 

@@ -26,26 +26,20 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 
-from .. import progress
-from ..checksum import BlockHasher, digest_bytes
-from ..config import MiB, WriteConfig
-from ..errors import FastPersistError
-from ..format import ShardRecord, tensor_bytes, with_checksums
-from ..timing import Phases
-from .deepspeed_ops import (
-    LockedMemoryError,
-    aio_available,
-    aio_module,
-    aio_resources,
-    ensure_fast_file_writer_usable,
-)
-from .host_copy import copy_to_host
+from ..format.checksum import BlockHasher, digest_bytes
+from ..format.records import ShardRecord, tensor_bytes, with_checksums
+from ..util import progress
+from ..util.config import MiB, WriteConfig
+from ..util.errors import FastPersistError
+from ..util.timing import Phases
+from .deepspeed_ops import LockedMemoryError, aio_available, aio_module, aio_resources, ensure_fast_file_writer_usable
+from .host_copy import copies_on_this_thread, copy_to_host
 from .host_staging import Ring, staging_block
 
 logger = logging.getLogger(__name__)
@@ -386,23 +380,6 @@ def write_rank_file(
         rank, expected / 2**30, path, seconds, expected / 2**30 / max(seconds, 1e-9), sink.mode, phases,
     )
     return WriteResult(out, expected, seconds, sink.mode)
-
-
-@contextmanager
-def copies_on_this_thread() -> Iterator[None]:
-    """Run FastFileWriter's bounce-buffer fills (torch ``copy_``) on the calling thread alone.
-
-    torch's intra-op pool spins for as much CPU again as a large copy takes,
-    beside the checksum thread; one thread copies as fast here (measured with
-    scripts/writer_ab.py). A synchronous save blocks the trainer, so the
-    process-wide setting is restored before anything else runs.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _stream(

@@ -14,11 +14,11 @@ from typing import Any, Optional, Union
 import torch.distributed as dist
 
 from .. import compat
-from ..checkpoint_formats import checkpoint_format as checkpoint_format_named
-from ..commit import keep_committed_aux_files
-from ..config import WriteConfig
-from ..save_engine import SaveEngine
-from ..staging import preprocessed
+from ..engine.commit import keep_committed_aux_files
+from ..engine.save import SaveEngine
+from ..engine.staging import preprocessed
+from ..format.kinds import checkpoint_format as checkpoint_format_named
+from ..util.config import WriteConfig
 
 
 class FastPersistSaveStrategy(compat.SaveStrategyBase):
@@ -37,7 +37,7 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
             native format always has one: megatron's load() reads the common
             state before any strategy, from ``common.pt`` or through DCP). Older
             megatron-core's ``save()`` writes ``common.pt`` itself.
-        config: a :class:`fastpersist_dist.config.WriteConfig`, or its knobs as
+        config: a :class:`fastpersist_dist.util.config.WriteConfig`, or its knobs as
             keyword arguments.
         parallel_group: the ranks that can hold replicas of this rank's shards,
             as for megatron's ``FullyParallelSaveStrategyWrapper``: usually

@@ -1,0 +1,580 @@
+"""What asynchronous checkpoints cost a training loop: ours against megatron's torch_dist async.
+
+Each rank runs a loop that rewrites its whole GPT-shaped state in place every
+step (``mul_`` + ``add_`` over every tensor: memory-bound, like an optimizer
+step), optionally followed by a fixed amount of matrix products (calibrated
+once to take ``compute_ms`` on the idle machine; on a GPU by default, where the
+update alone takes milliseconds), waits for its device at the end of the step
+(as a trainer's ``loss.item()`` does), and checkpoints asynchronously every K
+steps into a fresh directory,
+finalizing without blocking at every step, as a trainer does. The loop's time
+is compared with the same loop without checkpoints, in the same run
+(repetitions interleaved). Also measured: how long each save call blocked,
+against a synchronous save of the same state by the same backend; the time from
+the call until the checkpoint was committed (seen at the next step's finalize,
+so with one step's resolution), also over only the saves called with no earlier
+one still in flight (one that finds one queues behind it at the writer: its
+time to durable then measures the checkpoint interval against the write, not a
+save); and the extra host memory of the rank (its
+processes' memory above what the rank held before any checkpoint, sampled at
+every step of one more loop per contender, in fresh rank processes: in the
+timed run, a contender would reuse the heap that the one before it left).
+Beside them, in the same run, the copy floor of our call: every rank copying
+as many bytes as its data file holds (its snapshot and a few KiB of framing)
+from its state's device into mapped shared memory (page-locked for a GPU) at
+the same instant, the least that a call which copies the state can block.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from ... import compat
+from ...engine.async_queue import AsyncSaveQueue
+from ...engine.directory import prepare_checkpoint_dir
+from ...engine.writer_process import writer_client
+from ...storage.host_copy import copy_to_host
+from ...storage.shared_memory import SharedBuffer
+from ...strategies.fastpersist_save import FastPersistSaveStrategy
+from .baselines import SHIM_NOTE, torch_dist_cpu_shims
+from .gpt_state import GptShape, gpt_sharded_state_dict
+from .runner import BenchConfig, GiB, _bytes_per_rank, _over_ranks, balanced_order, on_ranks, rank_device
+
+ACCELERATOR_COMPUTE_MS = 250.0
+
+
+def default_compute_ms() -> float:
+    """Matmul time per step when not given: none on a host, where rewriting the state is a step's
+    worth of memory traffic (about 50 ms for 0.5 GiB), and ``ACCELERATOR_COMPUTE_MS`` on a GPU, which
+    rewrites it in milliseconds: saves every 10 steps would otherwise always overlap, whatever the backend."""
+    return ACCELERATOR_COMPUTE_MS if torch.cuda.is_available() else 0.0
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The loop: ``steps`` steps, an async checkpoint every ``every`` steps (not at the last one), and
+    ``compute_ms`` of matrix products per step besides the update (None: :func:`default_compute_ms`)."""
+
+    bench: BenchConfig
+    steps: int = 30
+    every: int = 10
+    compute_ms: Optional[float] = None
+
+    @property
+    def step_compute_ms(self) -> float:
+        return default_compute_ms() if self.compute_ms is None else self.compute_ms
+
+    @property
+    def save_steps(self) -> list[int]:
+        return [s for s in range(1, self.steps) if s % self.every == 0]
+
+
+class _Checkpointer:
+    """One way to checkpoint asynchronously: the save call, a non-blocking finalize, a synchronous save."""
+
+    checkpoints = True
+    uses_writer = False  # whether the rank's persistent writer process counts towards this one's memory
+
+    def shims(self) -> ContextManager[Any]:
+        return nullcontext()
+
+    def start(self, sd: dict) -> None:
+        """What a trainer does once at start-up for this way of saving (before its first loop)."""
+
+    def save(self, sd: dict, ckpt: str) -> None:
+        raise NotImplementedError
+
+    def finalize(self, blocking: bool) -> int:
+        """Finalize what is done (collective); how many saves were finalized."""
+        return 0
+
+    def sync_save(self, sd: dict, ckpt: str) -> None:
+        raise NotImplementedError
+
+
+class _None(_Checkpointer):
+    """The reference loop: no checkpoints."""
+
+    checkpoints = False
+
+
+class _Ours(_Checkpointer):
+    """``save(..., sharded_strategy=FastPersistSaveStrategy(), async_sharded_save=True)``, a fresh strategy each."""
+
+    uses_writer = True
+
+    def __init__(self, cfg: BenchConfig, megatron_queue: bool):
+        self._write = cfg.write
+        self._megatron = megatron_queue
+        self._queue: Any = compat.megatron_async_queue() if megatron_queue else AsyncSaveQueue()
+
+    def shims(self) -> ContextManager[Any]:
+        return torch_dist_cpu_shims() if self._megatron else nullcontext()
+
+    def start(self, sd: dict) -> None:
+        FastPersistSaveStrategy(config=self._write).load_ops(sd)  # plan + snapshot buffer, as docs/async.md advises
+
+    def save(self, sd: dict, ckpt: str) -> None:
+        request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(config=self._write),
+                                          async_sharded_save=True, **compat.ASYNC_SAVE_KWARGS)
+        if self._megatron:
+            self._queue.schedule_async_request(request)
+        else:
+            self._queue.schedule(request)
+
+    def finalize(self, blocking: bool) -> int:
+        if self._megatron:
+            return len(self._queue.maybe_finalize_async_calls(blocking=blocking))
+        return len(self._queue.maybe_finalize(blocking=blocking))
+
+    def sync_save(self, sd: dict, ckpt: str) -> None:
+        dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(config=self._write))
+
+
+class _TorchDist(_Checkpointer):
+    """megatron's torch_dist async save on megatron's own AsyncCallsQueue (fork, copy-on-write)."""
+
+    def __init__(self, cfg: BenchConfig):
+        self._queue = compat.megatron_async_queue()
+
+    def shims(self) -> ContextManager[Any]:
+        return torch_dist_cpu_shims()
+
+    def save(self, sd: dict, ckpt: str) -> None:
+        request = dist_checkpointing.save(sd, ckpt, sharded_strategy=("torch_dist", 1), async_sharded_save=True,
+                                          **compat.ASYNC_SAVE_KWARGS)
+        self._queue.schedule_async_request(request)
+
+    def finalize(self, blocking: bool) -> int:
+        return len(self._queue.maybe_finalize_async_calls(blocking=blocking))
+
+    def sync_save(self, sd: dict, ckpt: str) -> None:
+        dist_checkpointing.save(sd, ckpt, sharded_strategy=("torch_dist", 1))
+
+
+CHECKPOINTERS: dict[str, Callable[[BenchConfig], _Checkpointer]] = {
+    "none": lambda cfg: _None(),
+    "torch_dist": _TorchDist,
+    "fastpersist_megatron_queue": lambda cfg: _Ours(cfg, megatron_queue=True),
+    "fastpersist": lambda cfg: _Ours(cfg, megatron_queue=False),
+}
+WHAT = {
+    "none": "no checkpoints (the reference loop)",
+    "torch_dist": "megatron torch_dist async on megatron's AsyncCallsQueue (forks a caller per save)",
+    "fastpersist_megatron_queue": "FastPersistSaveStrategy() per save on megatron's AsyncCallsQueue (forks a caller "
+                                  "per save: copy-on-write while it writes)",
+    "fastpersist": "FastPersistSaveStrategy() per save on AsyncSaveQueue (a thread per save; the rank's writer "
+                   "process writes)",
+}
+DEFAULT_LOOP_CONTENDERS = ("none", "torch_dist", "fastpersist_megatron_queue", "fastpersist")
+
+
+@dataclass(frozen=True)
+class CopyFloor:
+    """:func:`copy_floor_s` of the largest snapshot of a rank, and the contenders whose snapshot that is."""
+
+    nbytes: int
+    seconds: float
+    contenders: tuple[str, ...]
+
+
+@dataclass
+class LoopRun:
+    """One repetition of one contender on one rank (seconds; bytes)."""
+
+    loop_s: float = 0.0
+    calls_s: list[float] = field(default_factory=list)
+    durable_s: list[float] = field(default_factory=list)  # per save, in call order (finalized in order)
+    overlapped: list[bool] = field(default_factory=list)  # per save: an earlier one still in flight at its call
+    drain_s: float = 0.0
+    sync_s: float = 0.0
+    extra_bytes: int = 0
+
+
+# ----------------------------------------------------------------------------- host memory
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for child in children:
+            out += [child] + _descendants(child)
+    return out
+
+
+def _memory(pid: int, field_names: tuple[str, ...]) -> int:
+    """Sum of ``field_names`` (kB) in ``/proc/pid/smaps_rollup``, in bytes; 0 if the process is gone."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in field_names:
+                    total += int(rest.split()[0]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0
+    return total
+
+
+def host_memory(include_writer: bool) -> int:
+    """Bytes of host memory held by this rank: its resident set plus its children's private pages.
+
+    A forked child's private pages are the ones the trainer modified since the
+    fork (copy-on-write keeps the old copy for the child); shared memory mapped
+    by both (our snapshot buffer) is counted once, in the trainer.
+    """
+    writer = writer_client().pid
+    children = [p for p in _descendants(os.getpid()) if include_writer or p != writer]
+    return _memory(os.getpid(), ("Rss",)) + sum(_memory(p, ("Private_Clean", "Private_Dirty")) for p in children)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def matmuls_for(compute_ms: float, seconds_each: float) -> int:
+    """How many products of ``seconds_each`` make ``compute_ms`` (at least one where any is asked for)."""
+    return 0 if compute_ms <= 0 else max(1, round(compute_ms / 1000 / seconds_each))
+
+
+@dataclass
+class StepCompute:
+    """A step's fixed matmul work: ``count`` products of an n x n matrix with itself, on the state's device.
+
+    Fixed work rather than a fixed duration, so that a checkpoint slowing the
+    products down (memory bandwidth, cores, the device) shows as a slower loop.
+    """
+
+    matrix: torch.Tensor
+    out: torch.Tensor
+    count: int = 0
+
+    def run(self) -> None:
+        for _ in range(self.count):
+            torch.mm(self.matrix, self.matrix, out=self.out)
+
+
+def calibrated_compute(device: torch.device, compute_ms: float) -> StepCompute:
+    """Collective: the step's matmul work, as many products as take ``compute_ms`` on the slowest rank now."""
+    if compute_ms <= 0:
+        none = torch.empty(0, 0, device=device)
+        return StepCompute(none, none, count=0)
+    n = 4096 if device.type != "cpu" else 256  # a few ms each: one core of a host, or a whole GPU
+    matrix = torch.randn(n, n, device=device) / n ** 0.5
+    compute = StepCompute(matrix, torch.empty_like(matrix), count=1)
+    compute.run()  # warm-up: kernels chosen, pages touched
+    _synchronize(device)
+    done, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < 0.2:
+        compute.run()
+        _synchronize(device)
+        done += 1
+    compute.count = matmuls_for(compute_ms, _over_ranks(elapsed / done))
+    return compute
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def train_step(tensors: list[torch.Tensor], compute: StepCompute) -> None:
+    """Rewrite every element in place (two memory-bound passes, like an optimizer step), then the step's
+    products; return once the device is done, as a trainer's ``loss.item()`` does."""
+    for t in tensors:
+        t.mul_(0.999).add_(1e-3)
+    compute.run()
+    _synchronize(compute.matrix.device)
+
+
+def _remove(path: str) -> None:
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], compute: StepCompute, cfg: LoopConfig,
+             root: str, baseline: Optional[int] = None) -> LoopRun:
+    """The loop with ``cp``'s checkpoints; times are this rank's; peak memory above ``baseline`` if given."""
+    run, pending = LoopRun(), []
+    peak = 0
+    with cp.shims():
+        for step in range(1, cfg.steps + 1):
+            start = time.perf_counter()
+            train_step(tensors, compute)
+            if cp.checkpoints and step in cfg.save_steps:
+                ckpt = os.path.join(root, f"step{step}")
+                prepare_checkpoint_dir(ckpt)
+                run.overlapped.append(bool(pending))
+                call = time.perf_counter()
+                cp.save(sd, ckpt)
+                run.calls_s.append(time.perf_counter() - call)
+                pending.append(call)
+            for _ in range(cp.finalize(blocking=False)):
+                run.durable_s.append(time.perf_counter() - pending.pop(0))
+            run.loop_s += time.perf_counter() - start
+            if baseline is not None:
+                peak = max(peak, host_memory(cp.uses_writer) - baseline)
+        start = time.perf_counter()
+        for _ in range(cp.finalize(blocking=True)):
+            run.durable_s.append(time.perf_counter() - pending.pop(0))
+        run.drain_s = time.perf_counter() - start
+    run.extra_bytes = peak
+    return run
+
+
+def timed_sync_save(cp: _Checkpointer, sd: dict, root: str) -> float:
+    """Seconds of a synchronous save of the same state by the same backend (the ratios' denominator)."""
+    ckpt = os.path.join(root, "sync")
+    prepare_checkpoint_dir(ckpt)
+    with cp.shims():
+        start = time.perf_counter()
+        cp.sync_save(sd, ckpt)
+        return time.perf_counter() - start
+
+
+def copy_floor_s(nbytes: int, device: torch.device, reps: int = 3) -> float:
+    """Collective: seconds for every rank to copy ``nbytes`` from ``device`` into mapped shared memory at once.
+
+    What our async call does at least (its copy into the reused snapshot
+    buffer, page-locked for an accelerator, without describing, planning or
+    megatron's own steps, by the same :func:`copy_to_host`): median of ``reps``
+    copies, slowest rank. Source and destination pages are touched first.
+    """
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    buffer = SharedBuffer(nbytes, pinned=device.type != "cpu")
+    times = []
+    try:
+        copy_to_host(buffer.tensor, source)
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            copy_to_host(buffer.tensor, source)
+            times.append(time.perf_counter() - start)
+    finally:
+        buffer.close()
+    return _over_ranks(statistics.median(times))
+
+
+def _fresh_root(rank: int, root: str) -> None:
+    """An empty ``root`` (made by rank 0), once every rank is here."""
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+    dist.barrier()
+
+
+@dataclass
+class _Trainer:
+    """A rank's training state: the sharded state dict, its tensors and the step's matmul work."""
+
+    shape: GptShape
+    sd: dict
+    tensors: list[torch.Tensor]
+    compute: StepCompute
+
+
+def _trainer(rank: int, cfg: LoopConfig) -> _Trainer:
+    """A rank at start-up: its state, every page of it touched once (the memory baseline holds it all)."""
+    b = cfg.bench
+    device = rank_device()
+    shape = GptShape.for_bytes(int(b.gib * GiB), b.tp)
+    sd = gpt_sharded_state_dict(shape, b.tp, rank, b.ranks, device=device)
+    tensors = [sh.data for sh in sd.values()]
+    compute = calibrated_compute(device, cfg.step_compute_ms)
+    train_step(tensors, compute)
+    return _Trainer(shape, sd, tensors, compute)
+
+
+def _memory_probe(rank: int, world: int, cfg: LoopConfig, name: str) -> int:
+    """Peak extra host memory of this rank over one loop with ``name``'s checkpoints, in a fresh process."""
+    b = cfg.bench
+    t = _trainer(rank, cfg)
+    baseline = host_memory(include_writer=False)
+    cp = CHECKPOINTERS[name](b)
+    cp.start(t.sd)
+    root = os.path.join(b.directory, f"train-{name}-memory")
+    _fresh_root(rank, root)
+    run = run_loop(cp, t.sd, t.tensors, t.compute, cfg, root, baseline)
+    dist.barrier()
+    _remove(root)
+    return int(_over_ranks(float(run.extra_bytes)))
+
+
+def _rank_main(rank: int, world: int, cfg: LoopConfig,
+               contenders: tuple[str, ...]) -> tuple[int, int, dict, Optional[CopyFloor]]:
+    b = cfg.bench
+    snapshot_bytes = 0  # this rank's data file in our synchronous save: its snapshot and their framing
+    t = _trainer(rank, cfg)
+    FastPersistSaveStrategy(config=b.write).load_ops()  # at start-up, as docs/async.md advises
+    checkpointers = {name: CHECKPOINTERS[name](b) for name in contenders}
+    runs: dict[str, list[LoopRun]] = {name: [] for name in contenders}
+    for rep in range(b.reps):
+        for name in balanced_order(contenders, rep):
+            cp = checkpointers[name]
+            root = os.path.join(b.directory, f"train-{name}-{rep}")
+            if rep == 0:
+                cp.start(t.sd)
+            _fresh_root(rank, root)
+            run = run_loop(cp, t.sd, t.tensors, t.compute, cfg, root)
+            if cp.checkpoints and cfg.save_steps:
+                run.sync_s = timed_sync_save(cp, t.sd, root)
+                if cp.uses_writer:
+                    snapshot_bytes = _bytes_per_rank(os.path.join(root, "sync"))[rank]
+            dist.barrier()
+            _remove(root)
+            runs[name].append(_slowest(run))
+            if rank == 0:
+                print(f"bench-train: {name} {rep + 1}/{b.reps}: loop {runs[name][-1].loop_s:.2f} s",
+                      file=sys.stderr, flush=True)
+    ours = tuple(name for name, cp in checkpointers.items() if cp.uses_writer)
+    floor = (CopyFloor(int(_over_ranks(snapshot_bytes)), copy_floor_s(snapshot_bytes, t.compute.matrix.device), ours)
+             if ours else None)
+    return t.shape.total_bytes(), t.compute.count, runs, floor
+
+
+def _slowest(run: LoopRun) -> LoopRun:
+    """The slowest rank's figures."""
+    return LoopRun(
+        loop_s=_over_ranks(run.loop_s), calls_s=[_over_ranks(c) for c in run.calls_s],
+        durable_s=[_over_ranks(d) for d in run.durable_s], drain_s=_over_ranks(run.drain_s),
+        sync_s=_over_ranks(run.sync_s), overlapped=[_over_ranks(float(o)) > 0 for o in run.overlapped],
+    )
+
+
+def run(cfg: LoopConfig, contenders: tuple[str, ...] = DEFAULT_LOOP_CONTENDERS,
+        progress: Callable[[str], None] = print) -> dict:
+    """Run the loop benchmark on forked ranks; the report as a dict."""
+    b = cfg.bench
+    os.makedirs(b.directory, exist_ok=True)
+    shape = GptShape.for_bytes(int(b.gib * GiB), b.tp)
+    progress(f"bench-train: {b.ranks} ranks (TP={b.tp}), {shape.total_bytes() / GiB:.2f} GiB state, {cfg.steps} "
+             f"steps with {cfg.step_compute_ms:g} ms of matmuls each, async checkpoint at steps {cfg.save_steps}, "
+             f"{b.reps} reps of {', '.join(contenders)} in {b.directory}")
+    nbytes, matmuls, runs, floor = on_ranks(b.ranks, _rank_main, cfg, contenders)[0]
+    memory: dict[str, int] = {}
+    for name in contenders:
+        if name != "none":
+            progress(f"bench-train: {name}: host memory, one loop in fresh processes")
+            memory[name] = on_ranks(b.ranks, _memory_probe, cfg, name)[0]
+    return report(cfg, nbytes, runs, memory, floor, matmuls)
+
+
+def _med(values: list[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory: dict[str, int],
+           floor: Optional[CopyFloor] = None, matmuls: int = 0) -> dict:
+    """Medians over repetitions of the slowest rank's figures, the slowdown against the plain loop,
+    ``memory``: each contender's peak extra host memory per rank (bytes, largest rank), the copy
+    floor of our calls, if one of ours ran, and the step's calibrated ``matmuls``."""
+    reference = _med([r.loop_s for r in runs["none"]]) if "none" in runs else None
+    rows = []
+    for name, reps in runs.items():
+        loop = _med([r.loop_s for r in reps])
+        later = [c for r in reps for c in r.calls_s][1:]  # the first call of the process apart
+        sync = _med([r.sync_s for r in reps if r.sync_s])
+        row: dict[str, Any] = {"name": name, "what": WHAT[name], "loop_s": loop,
+                               "loop_min_s": min(r.loop_s for r in reps),
+                               "loop_max_s": max(r.loop_s for r in reps)}
+        if reference and name != "none":
+            saves = len(cfg.save_steps)
+            overlapped = [o for r in reps for o in r.overlapped]
+            row.update(
+                slowdown_pct=100 * (loop / reference - 1), lost_per_save_s=(loop - reference) / max(saves, 1),
+                first_call_s=reps[0].calls_s[0] if reps[0].calls_s else None, call_s=_med(later), sync_s=sync,
+                durable_s=_med([d for r in reps for d in r.durable_s]), drain_s=_med([r.drain_s for r in reps]),
+                extra_gib=memory[name] / GiB, saves=len(overlapped), overlapped=sum(overlapped),
+                durable_alone_s=_med([d for r in reps for d, o in zip(r.durable_s, r.overlapped) if not o]),
+            )
+            if sync:
+                row["first_call_pct"] = 100 * row["first_call_s"] / sync if row["first_call_s"] else None
+                row["call_pct"] = 100 * row["call_s"] / sync if row["call_s"] is not None else None
+                row["durable_x_sync"] = row["durable_s"] / sync if row["durable_s"] else None
+                row["durable_alone_x_sync"] = row["durable_alone_s"] / sync if row["durable_alone_s"] else None
+                if floor and name in floor.contenders:
+                    row["copy_floor_pct"] = 100 * floor.seconds / sync
+        rows.append(row)
+    notes = [] if torch.cuda.is_available() else [SHIM_NOTE]
+    return {"ranks": cfg.bench.ranks, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
+            "compute_ms": cfg.step_compute_ms, "matmuls_per_step": matmuls, "save_steps": cfg.save_steps,
+            "reps": cfg.bench.reps, "directory": cfg.bench.directory,
+            "copy_floor_bytes": floor.nbytes if floor else None, "copy_floor_s": floor.seconds if floor else None,
+            "rows": rows, "notes": notes}
+
+
+def _f(value: Optional[float], fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _compute_words(rep: dict) -> str:
+    if not rep["matmuls_per_step"]:
+        return ""
+    return f" plus {rep['matmuls_per_step']} matmuls (calibrated to {rep['compute_ms']:g} ms on the idle machine)"
+
+
+def format_loop_table(rep: dict) -> str:
+    """The report as a text table."""
+    lines = [
+        f"training loop: {rep['ranks']} ranks, TP={rep['tp']}, {rep['bytes'] / GiB:.2f} GiB state rewritten in place "
+        f"every step{_compute_words(rep)}, {rep['steps']} steps, async checkpoints at steps {rep['save_steps']} "
+        f"into {rep['directory']}; "
+        f"median of {rep['reps']} (slowest rank); 'call' = the save call blocking the loop, first of the process "
+        f"apart; 'sync' = a synchronous save of the same state by the same backend; 'durable' = call to commit, "
+        f"seen by the next step's finalize; 'overlap' = saves called while an earlier one was still in flight (they "
+        f"queue behind it), of all; 'alone/sync' = durable of the others",
+        f"{'contender':<28}{'loop s':>16}{'slowdown':>10}{'lost/ckpt s':>12}{'1st call s':>11}{'call s':>8}"
+        f"{'sync s':>8}{'call/sync':>10}{'durable s':>10}{'dur/sync':>9}{'overlap':>8}{'alone/sync':>11}"
+        f"{'extra GiB/rank':>15}",
+    ]
+    for r in rep["rows"]:
+        loop = f"{r['loop_s']:.2f} ({r['loop_min_s']:.2f}..{r['loop_max_s']:.2f})"
+        if "slowdown_pct" not in r:
+            lines.append(f"{r['name']:<28}{loop:>16}")
+            continue
+        lines.append(
+            f"{r['name']:<28}{loop:>16}{_f(r['slowdown_pct'], '.1f') + '%':>10}{_f(r['lost_per_save_s'], '.2f'):>12}"
+            f"{_f(r['first_call_s'], '.3f'):>11}{_f(r['call_s'], '.3f'):>8}{_f(r['sync_s'], '.2f'):>8}"
+            f"{_f(r.get('call_pct'), '.0f') + '%':>10}{_f(r['durable_s'], '.2f'):>10}"
+            f"{_f(r.get('durable_x_sync'), '.2f') + 'x':>9}{str(r['overlapped']) + '/' + str(r['saves']):>8}"
+            f"{_f(r.get('durable_alone_x_sync'), '.2f') + 'x':>11}{_f(r['extra_gib'], '.2f'):>15}"
+        )
+    lines.extend(f"  {r['name']}: {r['what']}" for r in rep["rows"])
+    if rep.get("copy_floor_s") is not None:
+        shares = ", ".join(f"{r['name']} {r['copy_floor_pct']:.0f}%" for r in rep["rows"] if "copy_floor_pct" in r)
+        lines.append(f"copy floor: {rep['copy_floor_s']:.3f} s for every rank to copy its snapshot's "
+                     f"{rep['copy_floor_bytes'] / GiB:.3f} GiB into mapped shared memory at once (the least our call "
+                     f"can block); of the sync save: {shares}")
+    lines.extend(f"note: {n}" for n in rep["notes"])
+    return "\n".join(lines)
+
+
+def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional[str],
+                compute_ms: Optional[float] = None) -> Optional[dict]:
+    """:func:`run` for ``fastpersist-dist bench-train``: None, after saying why on stderr, on bad arguments."""
+    names = tuple(contenders.split(",")) if contenders else DEFAULT_LOOP_CONTENDERS
+    unknown = set(names) - set(CHECKPOINTERS)
+    if unknown or "none" not in names or every >= steps:
+        print(f"bench-train: contenders must include 'none' and be among {sorted(CHECKPOINTERS)} "
+              f"(unknown: {sorted(unknown)}); --every must be below --steps", file=sys.stderr)
+        return None
+    return run(LoopConfig(bench, steps, every, compute_ms), names, progress=lambda m: print(m, file=sys.stderr))

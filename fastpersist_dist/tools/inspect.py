@@ -1,0 +1,258 @@
+"""What a checkpoint directory holds, read from its metadata and index alone.
+
+Unlike ``verify`` this reads no tensor bytes, so it answers at once even for a
+huge checkpoint: which backend wrote it, whether it was committed, every tensor
+(dtype, global shape, shards, records, bytes), the bytes of each rank's data
+file and whether the small files committed beside the index (``common.pt``) are
+still the committed ones. No ``torch.distributed`` is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from megatron.core.dist_checkpointing.core import maybe_load_config
+
+from ..engine.index_reader import check_markers, read_unchecked_index
+from ..format.index_pages import PART_FILE_RE
+from ..format.kinds import BACKENDS, BY_CONTAINER, DCP_METADATA_FILE
+from ..format.records import (
+    COMMON_FILE,
+    INDEX_FILE,
+    STATUS_FILE_RE,
+    CheckpointIndex,
+    ShardRecord,
+    aux_copy_name,
+    is_data_file,
+)
+from ..storage.files import file_digest
+from ..util.errors import FastPersistError, IncompleteCheckpointError
+from ..util.wording import counted
+
+WHO = "inspect"
+NOT_COMMITTED = "NOT committed (incomplete checkpoint)"
+# InspectReport.index: what became of reading fastpersist_index.json.
+INDEX_COMMITTED, INDEX_MISSING, INDEX_INVALID = "committed", "missing", "invalid"
+
+
+@dataclass(frozen=True)
+class EntrySummary:
+    """One global tensor (or sharded object) as the index stores it."""
+
+    key: str
+    kind: str
+    dtype: Optional[str]
+    global_shape: tuple[int, ...]
+    shards: int
+    records: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class AuxFileSummary:
+    """A file committed beside the index (``common.pt``, its copy): what the index says and what is there."""
+
+    name: str
+    xxh3: str  # committed
+    bytes: Optional[int]  # present now; None if missing
+    intact: bool  # present with the committed XXH3
+
+
+@dataclass
+class InspectReport:
+    """Everything ``inspect`` shows; ``problems`` is empty for a committed, loadable checkpoint."""
+
+    directory: str
+    backend: Optional[str] = None
+    backend_version: Optional[int] = None
+    format: Optional[str] = None  # checkpoint format named by the committed index
+    index: str = INDEX_MISSING
+    world_size: Optional[int] = None
+    checksum_block_bytes: Optional[int] = None
+    entries: list[EntrySummary] = field(default_factory=list)
+    files: dict[str, int] = field(default_factory=dict)
+    aux_files: list[AuxFileSummary] = field(default_factory=list)
+    present_files: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def committed(self) -> bool:
+        """True when the index is present and valid: the save finished."""
+        return self.index == INDEX_COMMITTED
+
+    @property
+    def ok(self) -> bool:
+        """True when the checkpoint is committed and nothing looks wrong."""
+        return self.committed and not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as plain JSON types (what ``inspect --json`` prints)."""
+        return {**asdict(self), "committed": self.committed, "ok": self.ok}
+
+
+def inspect_checkpoint(checkpoint_dir: str) -> InspectReport:
+    """Summarize ``checkpoint_dir``; raises FastPersistError only if it is not a readable directory."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FastPersistError(f"{checkpoint_dir} is not a directory")
+    try:
+        names = os.listdir(checkpoint_dir)
+    except OSError as e:
+        raise FastPersistError(f"cannot list {checkpoint_dir}: {e}") from None
+    report = InspectReport(checkpoint_dir, present_files=_our_files(checkpoint_dir, names))
+    _read_metadata(report)
+    try:
+        index = read_unchecked_index(checkpoint_dir, WHO)
+    except IncompleteCheckpointError:
+        report.problems.append(f"{checkpoint_dir}: {NOT_COMMITTED}: it has no {INDEX_FILE}")
+        return report
+    except FastPersistError as e:
+        report.index = INDEX_INVALID
+        report.problems.append(str(e))
+        return report
+    report.index = INDEX_COMMITTED
+    report.format = BY_CONTAINER[index.container].name
+    report.problems.extend(format_problems(report.backend, index))
+    report.world_size = index.world_size
+    report.checksum_block_bytes = index.checksum_block_bytes
+    report.files = dict(sorted(index.files.items()))
+    report.entries = _entries(index, report.problems)
+    report.aux_files = [_aux_summary(checkpoint_dir, name, want) for name, want in sorted(index.aux_files.items())]
+    try:
+        check_markers(checkpoint_dir, index, WHO)
+    except FastPersistError as e:  # the index is committed, but a file beside it is not the committed one
+        report.problems.append(str(e))
+    return report
+
+
+def _aux_summary(checkpoint_dir: str, name: str, want: str) -> AuxFileSummary:
+    path = os.path.join(checkpoint_dir, name)
+    try:
+        found = file_digest(path, WHO)
+    except FastPersistError:
+        found = None  # unreadable: check_markers reports it
+    size = os.path.getsize(path) if found is not None else None
+    return AuxFileSummary(name=name, xxh3=want, bytes=size, intact=found == want)
+
+
+def _our_files(checkpoint_dir: str, names: list[str]) -> dict[str, int]:
+    """Sizes of the data, status, index and common-state files present, whatever the index says (it may be missing)."""
+    ours = {}
+    for name in sorted(names):
+        if (is_data_file(name) or STATUS_FILE_RE.match(name) or name.startswith(INDEX_FILE) or PART_FILE_RE.match(name)
+                or name in (DCP_METADATA_FILE, COMMON_FILE, aux_copy_name(COMMON_FILE))):
+            try:
+                ours[name] = os.path.getsize(os.path.join(checkpoint_dir, name))
+            except OSError:
+                continue  # removed while we looked
+    return ours
+
+
+def metadata_backend(checkpoint_dir: str) -> tuple[Optional[str], Optional[int], list[str]]:
+    """Backend, version and problems of megatron's metadata.json, read by megatron's own reader."""
+    path = os.path.join(checkpoint_dir, "metadata.json")
+    try:
+        config = maybe_load_config(checkpoint_dir)
+    except (OSError, ValueError, TypeError) as e:
+        return None, None, [f"{path} is unreadable: {e}"]
+    if config is None:
+        return None, None, [f"{path} is missing: dist_checkpointing.load will refuse this directory"]
+    found = (config.sharded_backend, config.sharded_backend_version)
+    if found not in BACKENDS:
+        return (*found, [f"{path} names backend {found[0]} version {found[1]}, "
+                         f"none of {BACKENDS}: this is not a FastPersist checkpoint"])
+    return (*found, [])
+
+
+def format_problems(backend: Optional[str], index: CheckpointIndex) -> list[str]:
+    """metadata.json must name the backend of the format the index commits (megatron picks the loader by it)."""
+    fmt = BY_CONTAINER[index.container]
+    if backend is None or backend == fmt.backend:
+        return []
+    return [f"metadata.json names backend {backend} but {INDEX_FILE} commits a {fmt.name} checkpoint "
+            f"(backend {fmt.backend}): megatron would pick the wrong loader (megatron-core 0.17+'s "
+            "FullyParallelSaveStrategyWrapper writes torch_dist whatever it wraps; wrap ours in "
+            "fastpersist_dist.FullyParallelSaveWrapper; FastPersistLoadStrategy still reads this checkpoint)"]
+
+
+def _read_metadata(report: InspectReport) -> None:
+    report.backend, report.backend_version, problems = metadata_backend(report.directory)
+    report.problems.extend(problems)
+
+
+def _entries(index: CheckpointIndex, problems: list[str]) -> list[EntrySummary]:
+    """One summary per key; records of one key that disagree on dtype or shape are a problem."""
+    groups: dict[str, list[ShardRecord]] = {}
+    for r in index.records:
+        groups.setdefault(r.key, []).append(r)
+    entries = []
+    for key, group in sorted(groups.items()):
+        first = group[0]
+        for what in ("kind", "dtype", "global_shape"):
+            values = {getattr(r, what) for r in group}
+            if len(values) > 1:
+                problems.append(f"records of '{key}' disagree on {what}: {sorted(map(str, values))}")
+        entries.append(EntrySummary(
+            key=key, kind=first.kind, dtype=first.dtype, global_shape=first.global_shape,
+            # Flattened-range records are pieces of one shard: a shard is its box, a record each piece.
+            shards=len({(r.global_offset, r.local_shape) for r in group}),
+            records=len(group), bytes=sum(r.length for r in group),
+        ))
+    return entries
+
+
+def _size(nbytes: int) -> str:
+    """Bytes exactly, plus a readable unit once they reach a KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes} bytes ({nbytes / scale:.2f} {unit})"
+    return f"{nbytes} bytes"
+
+
+def _aux_state(aux: AuxFileSummary) -> str:
+    if aux.intact:
+        return f"{_size(aux.bytes or 0)}, XXH3 {aux.xxh3}: intact"
+    if aux.bytes is None:
+        return f"MISSING (committed with XXH3 {aux.xxh3})"
+    return f"{_size(aux.bytes)}: NOT the committed file (XXH3 {aux.xxh3})"
+
+
+def format_report(report: InspectReport) -> str:
+    """The report as text for a terminal."""
+    backend = "unknown" if report.backend is None else f"{report.backend} version {report.backend_version}"
+    lines = [f"checkpoint: {report.directory}", f"backend: {backend} (metadata.json)"]
+    if not report.committed:
+        state = NOT_COMMITTED if report.index == INDEX_MISSING else "INVALID or unreadable (see PROBLEM)"
+        lines.append(f"index: {state}")
+        lines.append("files present:" if report.present_files else "files present: none of ours")
+        lines.extend(f"  {name}  {_size(size)}" for name, size in report.present_files.items())
+    else:
+        files = ("torch DCP files (.metadata, __<rank>_0.distcp)" if report.format == "torch_dist"
+                 else "FastPersist data files")
+        lines.append(f"format: {report.format}: {files}, checksums in {INDEX_FILE}")
+        lines.append(
+            f"index: committed; written by {report.world_size} ranks; checksums per "
+            f"{_size(report.checksum_block_bytes or 0)}"
+        )
+        tensors = [e for e in report.entries if e.kind == "tensor"]
+        objects = [e for e in report.entries if e.kind != "tensor"]
+        records = sum(e.records for e in report.entries)
+        lines.append(f"{counted(len(tensors), 'tensor')}, {counted(len(objects), 'object')}, {counted(records, 'record')}:")
+        rows = [("key", "kind", "dtype", "global shape", "shards", "records", "bytes")] + [
+            (e.key, e.kind, e.dtype or "-", str(e.global_shape), str(e.shards), str(e.records), str(e.bytes))
+            for e in report.entries
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            cells = [c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+            lines.append("  " + "  ".join(cells).rstrip())
+        lines.append(f"data files ({len(report.files)}, {_size(sum(report.files.values()))}):")
+        width = max(map(len, report.files), default=0)
+        lines.extend(f"  {name.ljust(width)}  {_size(size)}" for name, size in report.files.items())
+        if report.aux_files:
+            lines.append(f"committed beside the index ({len(report.aux_files)}):")
+            width = max(len(a.name) for a in report.aux_files)
+            lines.extend(f"  {a.name.ljust(width)}  {_aux_state(a)}" for a in report.aux_files)
+    lines.extend(f"PROBLEM: {p}" for p in report.problems)
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""Tuning knobs of the save and load paths, with their defaults in one place. Pure: imports nothing heavy.
+
+``WriteConfig`` and ``ReadConfig`` share their aio knobs (``AioKnobs``): with
+the defaults, a process's loads and synchronous saves use one aio handle and
+one page-locked buffer (``storage/deepspeed_ops.aio_resources`` keys them by
+these settings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+MiB = 1 << 20
+DirectIO = Literal["auto", "on", "off"]
+AUTO_ON_OFF = ("auto", "on", "off")
+
+
+def _check_choice(name: str, value: str) -> None:
+    if value not in AUTO_ON_OFF:
+        raise ValueError(f"{name} must be 'auto', 'on' or 'off', got {value!r}")
+
+
+def _check_positive(config: object, *names: str) -> None:
+    for name in names:
+        if int(getattr(config, name)) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)!r}")
+
+
+@dataclass(frozen=True)
+class AioSettings:
+    """Parameters of one aio handle and its bounce buffer."""
+
+    block_size: int
+    queue_depth: int
+    intra_op_parallelism: int
+    buffer_bytes: int
+
+
+@dataclass(frozen=True)
+class AioKnobs:
+    """The aio handle and page-locked buffer a rank writes or reads through.
+
+    io_buffer_mb: page-locked bounce buffer (a write splits it in two when
+        ``double_buffer``: one half fills while the other drains; a load reads
+        into its two halves in turn).
+    aio_block_mb / aio_queue_depth / aio_intra_op_parallelism: aio handle settings.
+    """
+
+    io_buffer_mb: int = 256
+    aio_block_mb: int = 32
+    aio_queue_depth: int = 8
+    aio_intra_op_parallelism: int = 1
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "io_buffer_mb", "aio_block_mb", "aio_queue_depth", "aio_intra_op_parallelism")
+
+    @property
+    def aio(self) -> AioSettings:
+        """Settings of the aio handle and bounce buffer."""
+        return AioSettings(
+            block_size=self.aio_block_mb * MiB,
+            queue_depth=self.aio_queue_depth,
+            intra_op_parallelism=self.aio_intra_op_parallelism,
+            buffer_bytes=self.io_buffer_mb * MiB,
+        )
+
+
+@dataclass(frozen=True)
+class WriteConfig(AioKnobs):
+    """How a rank streams its shards to its data file.
+
+    direct_io: "auto" uses DeepNVMe (O_DIRECT + libaio) and falls back, with one
+        warning, to a buffered writer of the same format where the filesystem
+        refuses O_DIRECT or the aio op is unavailable; "on" raises instead;
+        "off" always writes buffered (+ fsync).
+    io_buffer_mb, aio_block_mb, aio_queue_depth, aio_intra_op_parallelism:
+        the writer's aio handle and bounce buffer (``AioKnobs``).
+    double_buffer: split the bounce buffer in two halves, one filling while the other drains.
+    checksum_block_mb: granularity of the per-shard XXH3 checksums.
+    balance: spread the bytes of replicated shards over every rank holding a
+        replica (data-parallel writes, see plan/writes.py); off: each shard is written
+        by its main replica alone.
+    readback_stride: after fsync, re-read from the device and compare the first
+        and last checksum block of each file (0), also every N-th block (N > 0;
+        1: all), or nothing (None). DeepSpeed reports no failed aio write.
+    require_shared_dir: refuse a save, before anything is written, where a rank
+        evidently does not see rank 0's checkpoint directory (node-local storage,
+        another mount namespace; see storage/shared_dir.py); False: write such node-local
+        parts anyway (to be gathered into one directory by the caller).
+    """
+
+    direct_io: DirectIO = "auto"
+    double_buffer: bool = True
+    checksum_block_mb: int = 4
+    balance: bool = True
+    readback_stride: Optional[int] = 0
+    require_shared_dir: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_choice("direct_io", self.direct_io)
+        _check_positive(self, "checksum_block_mb")
+        if self.readback_stride is not None and self.readback_stride < 0:
+            raise ValueError(f"readback_stride must be None or >= 0, got {self.readback_stride!r}")
+
+    @property
+    def checksum_block_bytes(self) -> int:
+        """Checksum block size in bytes."""
+        return self.checksum_block_mb * MiB
+
+
+@dataclass(frozen=True)
+class ReadConfig(AioKnobs):
+    """How a rank reads its shards back.
+
+    verify_checksums: check the XXH3 checksum of every block read (default on).
+    trust_objects: unpickle ShardedObjects without torch's ``weights_only``
+        restriction. Only for checkpoints from a trusted source.
+    read_threads: preads in flight per rank where the load does not stream
+        (I/O of one overlaps the checksum and copy of another).
+    direct_io: "auto" reads verified loads with large O_DIRECT aio reads
+        through the aio handle and locked buffer of ``AioKnobs`` (with the
+        defaults, the one this process's synchronous saves use), except on
+        in-memory filesystems (tmpfs), and falls back to pread where aio or
+        O_DIRECT is unavailable; "on" raises there instead; "off" always uses pread.
+    share_reads: "auto" (default) and "on": bytes that several ranks need
+        (resharded loads, replicated tensors) are read by one of them and sent
+        to the others over the load's process group, which makes the load
+        collective over that group, as megatron's own loaders are; "auto" reads
+        unshared where the checkpoint is on an in-memory filesystem (tmpfs: a
+        read is a memory copy, cheaper than a transfer); "off": every rank reads
+        all it needs itself, independently of the others.
+    io_buffer_mb, aio_block_mb, aio_queue_depth, aio_intra_op_parallelism:
+        the reads' aio handle and locked buffer (``AioKnobs``).
+    """
+
+    verify_checksums: bool = True
+    trust_objects: bool = False
+    read_threads: int = 2
+    direct_io: DirectIO = "auto"
+    share_reads: DirectIO = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, "read_threads")
+        _check_choice("direct_io", self.direct_io)
+        _check_choice("share_reads", self.share_reads)
