@@ -118,5 +118,5 @@ def test_the_writer_process_imports_only_the_write_path():
     unused = {"megatron", "fastpersist_dist.engine.commit", "fastpersist_dist.engine.index_reader",
               "fastpersist_dist.engine.directory", "fastpersist_dist.format.index_pages",
               "fastpersist_dist.format.dcp_metadata", "fastpersist_dist.plan", "fastpersist_dist.strategies",
-              "fastpersist_dist.compat", "fastpersist_dist.storage.shared_dir"}
+              "fastpersist_dist.compat"}
     assert not {m for m in loaded if m in unused or m.split(".")[0] in unused}, sorted(loaded)

@@ -1,6 +1,6 @@
 """Access to DeepSpeed's native ops: the ``async_io`` handle and the ``utils`` op.
 
-Three DeepSpeed 0.19 traps are handled here, once:
+Four traps of DeepSpeed 0.19 and the torch JIT build under it are handled here, once:
 
 * On a CPU-only torch the accelerator maps ``UtilsBuilder`` to
   ``NotImplementedBuilder``, so ``FastFileWriter()`` raises. The generic
@@ -14,6 +14,9 @@ Three DeepSpeed 0.19 traps are handled here, once:
   int() with base 10: '0a'", seen on an H200 machine). Our ops are host C++
   with no device code, so they are built with the suffixes dropped
   (:func:`arch_list_without_suffixes`); the user's variable is restored after.
+* torch's JIT build waits without end on a build lock that a process killed
+  while building left behind: ``build_locks`` clears such a lock, and bounds
+  the wait for a live one.
 
 The ops are built (JIT, minutes) into ``<venv>/torch_ext`` unless the user's
 ``TORCH_EXTENSIONS_DIR`` says otherwise: one cache per virtualenv, also for a
@@ -34,11 +37,13 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..util.config import AioSettings
+from .build_locks import loading_ops
 
 logger = logging.getLogger(__name__)
 
 _AIO_MODULE: Optional[Any] = None
 _AIO_ERROR: Optional[str] = None
+_UTILS_LOADED = False
 
 
 # Set with TORCH_EXTENSIONS_DIR when we chose it: a process of another venv started from
@@ -80,6 +85,15 @@ def _arch_list_deepspeed_sorts() -> Iterator[None]:
         os.environ[name] = current
 
 
+@contextmanager
+def _loading_ops() -> Iterator[None]:
+    """Around DeepSpeed's load of an op: no wait on a build lock a dead process left (``build_locks``), and
+    an arch list its JIT build can sort."""
+    who = f"rank {os.environ['RANK']} (pid {os.getpid()})" if "RANK" in os.environ else f"pid {os.getpid()}"
+    with loading_ops(os.environ["TORCH_EXTENSIONS_DIR"], who), _arch_list_deepspeed_sorts():
+        yield
+
+
 def aio_module() -> Any:
     """The built ``async_io`` extension (built on first use: minutes; prebuilt by scripts/setup.sh)."""
     global _AIO_MODULE, _AIO_ERROR
@@ -88,7 +102,7 @@ def aio_module() -> Any:
         try:
             from deepspeed.ops.op_builder import AsyncIOBuilder
 
-            with _arch_list_deepspeed_sorts():
+            with _loading_ops():
                 _AIO_MODULE = AsyncIOBuilder().load(verbose=False)
         except Exception as e:  # noqa: BLE001 - any build/load failure means "no aio"
             _AIO_ERROR = f"{type(e).__name__}: {e}{_libaio_hint()}"
@@ -133,8 +147,11 @@ def ensure_fast_file_writer_usable() -> None:
 
         fast_file_writer.UtilsBuilder = UtilsBuilder
         logger.debug("FastFileWriter: using the generic UtilsBuilder (accelerator has none)")
-    with _arch_list_deepspeed_sorts():
-        fast_file_writer.UtilsBuilder().load(verbose=False)
+    global _UTILS_LOADED
+    if not _UTILS_LOADED:  # DeepSpeed keeps the loaded op; a forked child inherits it and this flag
+        with _loading_ops():
+            fast_file_writer.UtilsBuilder().load(verbose=False)
+        _UTILS_LOADED = True
 
 
 class LockedMemoryError(RuntimeError):

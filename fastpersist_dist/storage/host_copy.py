@@ -41,9 +41,36 @@ def _cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastpersist_dist")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _remove_partial_builds(path: str) -> None:
+    """Remove what builds of ``path`` by processes that died compiling left (``<path>.<pid>.tmp``).
+
+    They never stand in the way (each build writes a file of its own and
+    renames it over ``path``), but would pile up in the user's cache.
+    """
+    directory, name = os.path.split(path)
+    for entry in os.listdir(directory):
+        pid = entry[len(name) + 1 : -len(".tmp")]
+        if entry.startswith(f"{name}.") and entry.endswith(".tmp") and pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.remove(os.path.join(directory, entry))
+            except FileNotFoundError:
+                pass
+
+
 def _build(compiler: str, source: bytes, path: str) -> None:
     """Compile ``source`` into the shared library ``path``, atomically (ranks of a node may race)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    _remove_partial_builds(path)
     partial = f"{path}.{os.getpid()}.tmp"
     try:
         subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-x", "c", "-", "-o", partial],
