@@ -27,12 +27,13 @@ if not IS_WRITER:  # a rank's writer process needs none of this (nor megatron-co
     from .compat import ASYNC_SAVE_KWARGS, FullyParallelSaveWrapper
     from .engine.async_queue import AsyncSaveQueue
     from .engine.directory import prepare_checkpoint_dir
+    from .engine.tiers import checkpoint_state, wait_durable
     from .format.records import BACKEND, BACKEND_VERSION
     from .registry import register
     from .strategies.fastpersist_load import FastPersistLoadStrategy
     from .strategies.fastpersist_save import FastPersistSaveStrategy
     from .tools.verify import VerifyReport, verify_checkpoint
-    from .util.config import ReadConfig, WriteConfig
+    from .util.config import ReadConfig, TierConfig, WriteConfig
     from .util.errors import CorruptCheckpointError, FastPersistError, IncompleteCheckpointError, SaveFailedError
 
     register()
@@ -50,9 +51,12 @@ __all__ = [
     "IncompleteCheckpointError",
     "ReadConfig",
     "SaveFailedError",
+    "TierConfig",
     "VerifyReport",
     "WriteConfig",
+    "checkpoint_state",
     "prepare_checkpoint_dir",
     "register",
     "verify_checkpoint",
+    "wait_durable",
 ]

@@ -73,6 +73,27 @@ def test_different_records_and_files_never_share():
     assert plan_sharing(needs) == []
 
 
+def test_what_a_rank_cannot_read_is_read_for_it_by_one_that_can():
+    """A tiered checkpoint before it is durable: each node reads only its own files (``readable``)."""
+    needs = [[need(0, MiB, file="a"), need(0, 2 * MiB, file="b")], [need(0, 2 * MiB, file="b")]]
+    readable = [frozenset({"a"}), frozenset({"b"})]
+    for share in (True, False):  # replicated bytes of "b": read by rank 1, sent to rank 0, whether shared or not
+        assert plan_sharing(needs, readable=readable, share=share) == [Transfer(1, 0, 1)], share
+
+
+def test_without_sharing_only_the_unreadable_needs_are_transfers():
+    needs = [[need(0, 4 * MiB)] for _ in range(3)]
+    assert len(plan_sharing(needs, readable=[None, None, None], share=True)) == 2  # read once, sent twice
+    assert plan_sharing(needs, readable=[None, None, None], share=False) == []  # each reads its own
+    transfers = plan_sharing(needs, readable=[frozenset(), None, None], share=False)
+    assert len(transfers) == 1 and transfers[0].dst == 0 and transfers[0].src in (1, 2)
+
+
+def test_a_need_nobody_can_read_stays_its_ranks_own_read():
+    """Its read then fails naming the file and why no copy is reachable (storage/reader.py)."""
+    assert plan_sharing([[need(0, MiB)], [need(2 * MiB, 3 * MiB)]], readable=[frozenset(), frozenset()]) == []
+
+
 def test_readers_balance_the_bytes_and_sends_follow_file_order():
     # Rank 0 alone needs a large record; the shared ones should go to rank 1 mostly.
     needs = [[need(0, 32 * MiB, record=0), need(40 * MiB, 44 * MiB, 1), need(50 * MiB, 54 * MiB, 2)],

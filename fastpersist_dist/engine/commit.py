@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..format.checksum import digest_bytes
 from ..format.dcp_metadata import metadata_bytes
-from ..format.index_pages import build_part, key_kinds, part_file_name, top_level
+from ..format.index_pages import Page, PagedIndex, build_part, key_kinds, part_file_name, top_level
 from ..format.kinds import CheckpointFormat
 from ..format.records import INDEX_FILE, ShardRecord, aux_copy_name, record_from_json, status_file_name
 from ..storage.files import atomic_write, file_digest, unlink_quietly
@@ -73,9 +73,33 @@ def _validated_records(statuses: list[dict[str, Any]], block_bytes: int, where: 
     return records, files
 
 
+class _Commit:
+    """Where the committed files go: into ``directory`` at once (a shared directory), or, for a tiered save's
+    local commit (``kept``), into a list in commit order, for every node's copy (``engine/tiers.py``)."""
+
+    def __init__(self, directory: str, kept: bool):
+        self.directory = directory
+        self.kept: Optional[list[tuple[str, bytes]]] = [] if kept else None
+
+    def put(self, name: str, data: bytes) -> None:
+        if self.kept is None:
+            _commit_file(self.directory, name, data)
+        else:
+            self.kept.append((name, data))
+
+    def pages(self, top: PagedIndex, name: str, who: str) -> list[tuple[Page, bytes]]:
+        """The pages of part file ``name``, read back: from the directory, or from what was kept."""
+        pages = [p for p in top.pages if p.part_file == name]
+        if self.kept is None:
+            return read_page_bytes(self.directory, top, pages, who)
+        data = dict(self.kept)[name]
+        return [(p, data[p.offset : p.offset + p.length]) for p in pages]
+
+
 def _commit_part(checkpoint_dir: str, ranks: list[int], statuses: list[dict[str, Any]], block_bytes: int,
-                 fmt: CheckpointFormat) -> dict[str, Any]:
-    """The group leader's step: build, validate and commit its group's part file; report only page entries."""
+                 fmt: CheckpointFormat, keep: bool) -> dict[str, Any]:
+    """The group leader's step: build, validate and commit its group's part file; report only page entries
+    (and, where the commit is ``keep``-ing files for the local tiers, the part's bytes)."""
     group = min(ranks)
     report: dict[str, Any] = {"ranks": ranks, "failures": [f"rank {r}: {st['error']}"
                                                           for r, st in zip(ranks, statuses) if not st.get("ok")]}
@@ -85,7 +109,10 @@ def _commit_part(checkpoint_dir: str, ranks: list[int], statuses: list[dict[str,
     try:
         records, files = _validated_records(statuses, block_bytes, f"rank {ranks[0]}: status of {checkpoint_dir}", fmt)
         data, pages = build_part(records, group, files, fmt.container)
-        _commit_file(checkpoint_dir, name, data)
+        if keep:
+            report["part_data"] = data
+        else:
+            _commit_file(checkpoint_dir, name, data)
     except FastPersistError as e:
         report["failures"] = [f"rank {ranks[0]}: {e}"]
         return report
@@ -104,7 +131,7 @@ def _commit_file(checkpoint_dir: str, name: str, data: bytes) -> None:
         raise FastPersistError(f"committing {name} failed: {type(e).__name__}: {e}") from e
 
 
-def _commit_top(checkpoint_dir: str, reports: list[dict[str, Any]], world: int, block_bytes: int,
+def _commit_top(commit: _Commit, reports: list[dict[str, Any]], world: int, block_bytes: int,
                 fmt: CheckpointFormat, aux_files: dict[str, bytes]) -> None:
     """Rank 0's step, from the groups' page entries only: auxiliary files, the top level, the marker last.
 
@@ -118,36 +145,42 @@ def _commit_top(checkpoint_dir: str, reports: list[dict[str, Any]], world: int, 
     kinds = {k: v for rep in reports for k, v in rep["kinds"].items()}
     index = top_level([p for rep in reports for p in rep["pages"]], kinds, dict(rep["part"] for rep in reports),
                       world, block_bytes, fmt.container, {n: digest_bytes(b) for n, b in aux_files.items()})
+    for rep in reports:
+        if "part_data" in rep:
+            commit.put(rep["part"][0], rep["part_data"])
     for name, data in aux_files.items():
-        _commit_file(checkpoint_dir, name, data)
+        commit.put(name, data)
     if fmt.marker == INDEX_FILE:
-        _commit_file(checkpoint_dir, INDEX_FILE, index.to_json_bytes())
+        commit.put(INDEX_FILE, index.to_json_bytes())
         return
-    records = (r for name in sorted(index.parts) for r in index.whole(read_page_bytes(
-        checkpoint_dir, index, [p for p in index.pages if p.part_file == name], "rank 0"), "rank 0").records)
-    metadata = metadata_bytes(records, checkpoint_dir)
+    records = (r for name in sorted(index.parts) for r in index.whole(commit.pages(index, name, "rank 0"),
+                                                                       "rank 0").records)
+    metadata = metadata_bytes(records, commit.directory)
     index = replace(index, metadata_xxh3_64=digest_bytes(metadata))
-    _commit_file(checkpoint_dir, INDEX_FILE, index.to_json_bytes())
-    _commit_file(checkpoint_dir, fmt.marker, metadata)
+    commit.put(INDEX_FILE, index.to_json_bytes())
+    commit.put(fmt.marker, metadata)
 
 
 def finalize_save(
     checkpoint_dir: str, block_bytes: int, fmt: CheckpointFormat, aux_files: Optional[dict[str, bytes]] = None,
-    group: Optional[dist.ProcessGroup] = None,
-) -> None:
+    group: Optional[dist.ProcessGroup] = None, spread: bool = False,
+) -> Optional[list[tuple[str, bytes]]]:
     """Collective: commit if every rank wrote its file, else raise everywhere.
 
     Statuses are gathered within the planning ``group`` (default: the world);
     its first rank commits the group's part file and sends rank 0 only page
     entries, so no rank holds every record. ``aux_files`` (rank 0 only;
-    name -> bytes) are committed with the checkpoint.
+    name -> bytes) are committed with the checkpoint. ``spread``: a tiered
+    save's local commit, where ``checkpoint_dir`` is each node's own copy:
+    nothing is written here; every rank gets the committed files, in commit
+    order (the marker last), for its node's copy (``engine/tiers.py``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
     leader = ranks[0]
     status = read_status(checkpoint_dir, rank, fmt)
     committed = False
-    outcome: list[Any] = [None]
+    outcome: list[Any] = [None, None]  # the failures, and the files kept for the local tiers
     try:
         statuses: Optional[list] = [None] * len(ranks) if rank == leader else None
         try:
@@ -157,7 +190,7 @@ def finalize_save(
         report = None
         if rank == leader:
             assert statuses is not None
-            report = _commit_part(checkpoint_dir, ranks, statuses, block_bytes, fmt)
+            report = _commit_part(checkpoint_dir, ranks, statuses, block_bytes, fmt, spread)
         reports: Optional[list] = [None] * world if rank == 0 else None
         try:
             dist.gather_object(report, reports, dst=0)
@@ -167,9 +200,10 @@ def finalize_save(
             assert reports is not None
             reports = [rep for rep in reports if rep is not None]
             failures = [f for rep in reports for f in rep["failures"]]
+            commit = _Commit(checkpoint_dir, spread)
             if not failures:
                 try:
-                    _commit_top(checkpoint_dir, reports, world, block_bytes, fmt, aux_files or {})
+                    _commit_top(commit, reports, world, block_bytes, fmt, aux_files or {})
                     committed = True
                 except FastPersistError as e:  # reported on every rank below
                     failures = [f"rank 0: {e}"]
@@ -177,7 +211,7 @@ def finalize_save(
                     failures = [f"rank 0: committing the checkpoint failed: {type(e).__name__}: {e}"]
                 if committed:
                     _log_summary(checkpoint_dir, reports)
-            outcome = [failures]
+            outcome = [failures, commit.kept]
         try:
             dist.broadcast_object_list(outcome, src=0)
         except RuntimeError as e:
@@ -192,6 +226,7 @@ def finalize_save(
             f"checkpoint {checkpoint_dir} was NOT saved; nothing was committed and the data files were removed. "
             + " | ".join(outcome[0])
         )
+    return outcome[1]
 
 
 def _peer_failure(checkpoint_dir: str, rank: int, step: str, error: BaseException, committed: bool) -> SaveFailedError:

@@ -35,7 +35,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from ..format.coverage import record_extents
 from ..format.index_pages import Box, PagedIndex
 from ..format.kinds import BY_CONTAINER, DCP_METADATA_FILE
-from ..format.layout import intersect
+from ..format.layout import Extent, intersect
 from ..format.records import INDEX_FILE, KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, dtype_from_name
 from ..storage.deepspeed_ops import aio_resources
 from ..storage.reader import ShardReader
@@ -45,6 +45,7 @@ from ..util.config import ReadConfig
 from ..util.errors import FastPersistError
 from .index_reader import check_markers, read_index, read_top
 from .read_exchange import ReadExchange, read_order, shared_load, sharing_group
+from .tiers import copies_for_load
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,14 @@ class LoadEngine:
         group = sharing_group(cfg.share_reads != "off", self.group)
         with ExitStack() as closing:
             try:
-                index = read_index(checkpoint_dir, who, requested_boxes(nested_values(sharded_state_dict)))
-                reader = closing.enter_context(ShardReader(checkpoint_dir, index, cfg.verify_checksums, who))
+                copies = copies_for_load(checkpoint_dir, who, cfg.local_dir)  # None: not a tiered checkpoint
+                index_dir = checkpoint_dir if copies is None else copies.index_dir
+                # a tiered checkpoint: every record, so that a rank can read any file it holds for the others
+                wants = requested_boxes(nested_values(sharded_state_dict)) if copies is None else None
+                index = read_index(index_dir, who, wants)
+                reader = closing.enter_context(ShardReader(
+                    checkpoint_dir, index, cfg.verify_checksums, who, *(() if copies is None else
+                                                                       (copies.dirs, copies.missing))))
                 stream = open_stream(reader, lambda: aio_resources(cfg.aio), cfg.direct_io)
                 loader = Loader(index, reader, rank, cfg.trust_objects, stream)
                 dict_list_map_inplace(loader.load, sharded_state_dict)
@@ -93,7 +100,12 @@ class LoadEngine:
                 if group is not None:
                     shared_load(who).fail_together(e, group)  # the others raise naming this rank, at their next gather
                 raise
-            loader.run(cfg.read_threads, group, cfg.share_reads == "on" or not on_memory_filesystem(checkpoint_dir))
+            nearest = os.path.dirname(reader.path(min(index.files))) if index.files else index_dir
+            share = cfg.share_reads == "on" or not on_memory_filesystem(nearest)
+            # A tiered checkpoint: each rank reads what it can reach (its node's copy, the persistent tier once a
+            # file is there), the rest is read for it by a rank that can and sent (the same on every rank).
+            readable = None if copies is None else frozenset(f for f in index.files if reader.copies_of(f))
+            loader.run(cfg.read_threads, group, share, readable)
         seconds = time.perf_counter() - start
         sent, received = loader.exchanged
         (logger.info if rank == 0 else logger.debug)(
@@ -108,13 +120,20 @@ class LoadEngine:
     def tensors_metadata(self, checkpoint_dir: str) -> dict[str, ShardedTensor]:
         """Global shape and dtype of every stored tensor, as data-less ShardedTensors (a paged index: no page read)."""
         who = f"rank {_rank()}"
-        top = read_top(checkpoint_dir, who)
-        check_markers(checkpoint_dir, top, who)
+        index_dir = self._index_dir(checkpoint_dir, who)
+        top = read_top(index_dir, who)
+        check_markers(index_dir, top, who)
         return tensors_metadata(top)
 
     def sharded_metadata(self, checkpoint_dir: str) -> dict[str, Any]:
         """Tensor metadata plus every stored ShardedObject, keyed by its unique key."""
-        return sharded_metadata(read_index(checkpoint_dir, f"rank {_rank()}"))
+        who = f"rank {_rank()}"
+        return sharded_metadata(read_index(self._index_dir(checkpoint_dir, who), who))
+
+    def _index_dir(self, checkpoint_dir: str, who: str) -> str:
+        """Where the index of ``checkpoint_dir`` is read: this node's copy of a tiered checkpoint, or there."""
+        copies = copies_for_load(checkpoint_dir, who, self.config.local_dir)
+        return checkpoint_dir if copies is None else copies.index_dir
 
 
 class Loader:
@@ -190,7 +209,8 @@ class Loader:
         self.nbytes += covered * dtype_from_name(records[0].dtype).itemsize
         return dest
 
-    def run(self, threads: int, group: Optional[dist.ProcessGroup] = None, share: bool = True) -> None:
+    def run(self, threads: int, group: Optional[dist.ProcessGroup] = None, share: bool = True,
+            readable: Optional[frozenset[str]] = None) -> None:
         """Execute the planned reads sorted by file and offset: sequential I/O, whatever the dict order.
 
         With a stream, large aio reads into its locked double buffer (see
@@ -198,14 +218,15 @@ class Loader:
         run on a small pool, so one read's I/O overlaps another's checksum and copy.
         With ``group`` (collective over it), bytes several ranks need are read
         once and sent to the others (see read_exchange.py), unless a rank of
-        the group passes ``share=False``.
+        the group passes ``share=False``; ``readable``: the files this rank can
+        read (a tiered checkpoint not durable yet), the rest read for it.
         """
         reads, self.reads = sorted(self.reads, key=read_order), []
         shown = progress.task("load", sum(r.dest.nbytes for r in reads))
         exchange = None
         if group is not None:
             block = self.reader.index.checksum_block_bytes if self.reader.verify else None
-            exchange = ReadExchange.start(reads, group, block, self.reader.who, share)
+            exchange = ReadExchange.start(reads, group, block, self.reader.who, share, readable, self._extent)
         if exchange is not None:
             reads = exchange.reads
             self.exchanged = (exchange.sent_bytes, exchange.received_bytes)
@@ -218,6 +239,11 @@ class Loader:
             self._read(reads, threads, placed)
         else:
             exchange.complete(lambda: self._read(reads, threads, placed), shown.add)
+
+    def _extent(self, file: str, offset: int, byte_start: int) -> tuple[ShardRecord, Extent]:
+        """The record at ``offset`` of ``file`` and its extent starting at ``byte_start`` (from the index)."""
+        record = next(r for r in self.reader.index.records if r.file == file and r.offset == offset)
+        return record, next(e for e in record_extents(record) if e.byte_start == byte_start)
 
     def _read(self, reads: list[BoxRead], threads: int, placed: Callable[[torch.Tensor], None]) -> None:
         """Run ``reads`` (in this order) with the stream or preads; ``placed(dest)`` after each is in place."""

@@ -29,7 +29,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..format.records import dtype_from_name
+from ..format.layout import Extent
+from ..format.records import ShardRecord, dtype_from_name
 from ..plan.read_sharing import Need, Transfer, plan_sharing
 from ..storage.reader import MAX_READ_GAP
 from ..storage.stream_reader import BoxRead, needed_ranges
@@ -46,6 +47,8 @@ DEFAULT_GROUP_MAX_RANKS = 64
 # rank (plan/read_sharing.py): up to one aio block of the loads' handle (32 MiB), which the device
 # serves at a queue depth of one; the resharded bench load had 8-15 MiB ones.
 ABSORB_MAX_BYTES = ReadConfig().aio.block_size
+# (file, record offset, extent byte_start) -> the record and its extent: from the load's index.
+Lookup = Callable[[str, int, int], tuple[ShardRecord, Extent]]
 # Tag of our point-to-point messages (gloo matches on it; NCCL ignores it).
 TAG = 0x4650
 
@@ -111,7 +114,7 @@ class ReadExchange:
     """The shared part of one load on one rank; :meth:`start` decides whether there is one."""
 
     def __init__(self, reads: list[BoxRead], everyone: list[list[Need]], transfers: list[Transfer],
-                 group: dist.ProcessGroup, who: str):
+                 group: dist.ProcessGroup, who: str, lookup: Optional[Lookup] = None):
         self.group = group
         self.who = who
         self.me = dist.get_rank(group)
@@ -125,9 +128,11 @@ class ReadExchange:
             if t.src != self.me:
                 continue
             need = everyone[t.dst][t.need]
-            own = known[(need.file, need.record, need.extent)]  # the reader always needs part of the extent
-            buffer = torch.empty(need.sub_shape, dtype=dtype_from_name(own.record.dtype), device=device)
-            local.append(BoxRead(own.record, own.extent, need.sub_off, need.sub_shape, buffer))
+            key = (need.file, need.record, need.extent)
+            # a reader that wants part of the extent knows it; one reading a file only it can read, from the index
+            record, extent = (known[key].record, known[key].extent) if key in known else lookup(*key)
+            buffer = torch.empty(need.sub_shape, dtype=dtype_from_name(record.dtype), device=device)
+            local.append(BoxRead(record, extent, need.sub_off, need.sub_shape, buffer))
             self.outgoing.append(_Outgoing(t.dst, buffer, buffer.nbytes))
         self._by_storage = {o.buffer.untyped_storage().data_ptr(): o for o in self.outgoing}
         self.reads = sorted(local, key=read_order)
@@ -146,20 +151,32 @@ class ReadExchange:
 
     @classmethod
     def start(cls, reads: list[BoxRead], group: dist.ProcessGroup, block: Optional[int], who: str,
-              share: bool) -> Optional["ReadExchange"]:
+              share: bool, readable: Optional[frozenset[str]] = None,
+              lookup: Optional[Lookup] = None) -> Optional["ReadExchange"]:
         """Agree on the plan with the group (collective); None when no rank reads for another.
 
         A rank passing ``share=False`` turns sharing off for the whole group (the
         decision is taken from the gathered data, so every rank takes the same).
+        ``readable``: the files this rank can read (a tiered checkpoint that is
+        not durable yet; None: all): what a rank cannot read is read for it by
+        one that can, sharing on or off; ``lookup`` finds the record and extent
+        of a need that such a reader does not want itself.
         """
         start = time.perf_counter()
-        everyone = shared_load(who).agree([need_of(r, block) for r in reads] if share else None, group)
-        if any(needs is None for needs in everyone):
-            return None
-        transfers = plan_sharing(everyone, MAX_READ_GAP, ABSORB_MAX_BYTES)
+        needs = [need_of(r, block) for r in reads]
+        if readable is None:
+            everyone = shared_load(who).agree(needs if share else None, group)
+            if any(n is None for n in everyone):
+                return None
+            transfers = plan_sharing(everyone, MAX_READ_GAP, ABSORB_MAX_BYTES)
+        else:
+            gathered = shared_load(who).agree((needs, sorted(readable), share), group)
+            everyone = [n for n, _, _ in gathered]
+            transfers = plan_sharing(everyone, MAX_READ_GAP, ABSORB_MAX_BYTES,
+                                     [frozenset(r) for _, r, _ in gathered], all(s for _, _, s in gathered))
         if not transfers:
             return None
-        ex = cls(reads, everyone, transfers, group, who)
+        ex = cls(reads, everyone, transfers, group, who, lookup)
         logger.debug("fastpersist: %s: shared load: reads %d boxes (%d for other ranks, %.3f GiB), receives %d "
                      "(%.3f GiB); planned in %.3f s", who, len(ex.reads), len(ex.outgoing), ex.sent_bytes / 2**30,
                      len(ex._recvs), ex.received_bytes / 2**30, time.perf_counter() - start)

@@ -29,13 +29,19 @@ queue depth of one. At most ``absorb_max`` bytes each, and a rank takes them
 while it stays within an even share plus ``ABSORB_ALLOWANCE``. Measured on the
 2-rank resharded bench load (disk, gloo): 27 reads per rank became 8, 0.43 GiB
 sent each way instead of 0.33, 0.87 s became 0.70 s (0.69x to 0.85x the read bound).
+
+Where a rank can read only some files (a tiered checkpoint not yet durable:
+each node holds its own ranks' files), ``readable`` says which: a cluster is
+read by a rank that can read its file, a wanting one if any, and a need no
+wanting rank can read becomes a transfer from one that can. With
+``share=False`` only those are transfers; every other need is its rank's own read.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 from ..format.layout import Shape
 
@@ -83,7 +89,8 @@ def _worth_sharing(a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> bool:
     return 2 * overlap > min(a_hi - a_lo, b_hi - b_lo)
 
 
-def plan_sharing(needs: Sequence[Sequence[Need]], gap: int = 0, absorb_max: int = 0) -> list[Transfer]:
+def plan_sharing(needs: Sequence[Sequence[Need]], gap: int = 0, absorb_max: int = 0,
+                 readable: Optional[Sequence[Optional[frozenset[str]]]] = None, share: bool = True) -> list[Transfer]:
     """The transfers of one load (``needs[r]``: rank r's needs), sorted for sending.
 
     Every rank reads its needs that appear in no transfer as ``dst`` and the
@@ -91,8 +98,14 @@ def plan_sharing(needs: Sequence[Sequence[Need]], gap: int = 0, absorb_max: int 
     and byte offset, then receiver) is the order a sender reads them in; both
     ends post each pair's messages in this order. ``gap``: reads at most this
     far apart are one read (the reader's MAX_READ_GAP); ``absorb_max``: the
-    largest isolated read another rank takes over (0: none).
+    largest isolated read another rank takes over (0: none). ``readable[r]``:
+    the files rank r can read (None: every file); ``share``: False shares only
+    what a rank cannot read itself.
     """
+
+    def can(rank: int, name: str) -> bool:
+        return readable is None or readable[rank] is None or name in readable[rank]
+
     by_extent: dict[tuple[str, int, int], list[tuple[int, int, int, int]]] = defaultdict(list)
     for rank, rank_needs in enumerate(needs):
         for i, n in enumerate(rank_needs):
@@ -104,7 +117,7 @@ def plan_sharing(needs: Sequence[Sequence[Need]], gap: int = 0, absorb_max: int 
         mine: list[_Cluster] = []
         for lo, hi, rank, i in sorted(by_extent[key]):
             cur = mine[-1] if mine else None
-            if cur is not None and _worth_sharing(cur.lo, cur.hi, lo, hi):
+            if cur is not None and _worth_sharing(cur.lo, cur.hi, lo, hi) and (share or not can(rank, key[0])):
                 cur.hi = max(cur.hi, hi)
             else:
                 cur = _Cluster(lo, hi)
@@ -112,7 +125,7 @@ def plan_sharing(needs: Sequence[Sequence[Need]], gap: int = 0, absorb_max: int 
             cur.members.append((rank, i))
         clusters += [(key, c) for c in mine]
     for key, c in clusters:
-        if len(c.ranks()) == 1:
+        if len(c.ranks()) == 1 and can(c.members[0][0], key[0]):
             c.reader = c.members[0][0]
             load[c.reader] += c.hi - c.lo
             near[(c.reader, key[0])] += c.hi - c.lo
@@ -124,12 +137,15 @@ def plan_sharing(needs: Sequence[Sequence[Need]], gap: int = 0, absorb_max: int 
         for r, i in c.members:
             wants[r] += needs[r][i].hi - needs[r][i].lo
         size = c.hi - c.lo
-        if reader not in wants or load[reader] + size > target:
-            reader = min(wants, key=lambda r: (load[r] + size > target, -near[(r, key[0])], load[r], -wants[r], r))
+        able = [r for r in wants if can(r, key[0])] or [r for r in range(len(needs)) if can(r, key[0])]
+        if not able:  # no rank can read it: its own rank's read says so
+            able = sorted(wants)
+        if reader not in able or load[reader] + size > target:
+            reader = min(able, key=lambda r: (load[r] + size > target, -near[(r, key[0])], load[r], -wants[r], r))
         c.reader = reader
         load[reader] += size
-    if absorb_max > 0:
-        _absorb_isolated(clusters, load, target * (1 + ABSORB_ALLOWANCE), gap, absorb_max)
+    if absorb_max > 0 and share:
+        _absorb_isolated(clusters, load, target * (1 + ABSORB_ALLOWANCE), gap, absorb_max, can)
     transfers = [((key[0], needs[r][i].lo), Transfer(c.reader, r, i))
                  for key, c in clusters for r, i in c.members if r != c.reader]
     transfers.sort(key=lambda wt: (wt[1].src, wt[0], wt[1].dst, wt[1].need))
@@ -137,7 +153,7 @@ def plan_sharing(needs: Sequence[Sequence[Need]], gap: int = 0, absorb_max: int 
 
 
 def _absorb_isolated(clusters: list[tuple[tuple[str, int, int], _Cluster]], load: list[int], limit: float,
-                     gap: int, absorb_max: int) -> None:
+                     gap: int, absorb_max: int, can: Callable[[int, str], bool]) -> None:
     """Give single-rank clusters that sit alone between other ranks' reads to one of those ranks.
 
     A cluster is isolated when neither cluster next to it in its file (by byte
@@ -165,7 +181,8 @@ def _absorb_isolated(clusters: list[tuple[tuple[str, int, int], _Cluster]], load
                   if n is not None and n.lo <= c.hi + gap and c.lo <= n.hi + gap]
         if any(n.reader == c.reader for n in beside):
             continue
-        takers = [n.reader for n in beside if n.reader in wanted[key] and load[n.reader] + size <= limit]
+        takers = [n.reader for n in beside
+                  if n.reader in wanted[key] and can(n.reader, key[0]) and load[n.reader] + size <= limit]
         if takers:
             taker = min(takers, key=lambda r: (load[r], r))
             load[c.reader] -= size

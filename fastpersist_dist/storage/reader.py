@@ -8,6 +8,7 @@ every block read is checked before its bytes are used.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Optional
@@ -17,7 +18,9 @@ import torch
 from ..format.checksum import first_bad_block
 from ..format.layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs
 from ..format.records import CheckpointIndex, ShardRecord, dtype_from_name, tensor_bytes
-from ..util.errors import CorruptCheckpointError
+from ..util.errors import CorruptCheckpointError, FastPersistError
+
+logger = logging.getLogger(__name__)
 
 # Gaps up to this size between needed runs are read through rather than skipped.
 MAX_READ_GAP = 256 << 10
@@ -31,21 +34,63 @@ VERIFY_CHUNK_BYTES = 64 << 20
 
 
 class ShardReader:
-    """Reads from the data files of one checkpoint; keeps files open until ``close``."""
+    """Reads from the data files of one checkpoint; keeps files open until ``close``.
 
-    def __init__(self, checkpoint_dir: str, index: CheckpointIndex, verify: bool, who: str):
+    A data file may have several copies (a tiered checkpoint: the node's local
+    tier, then the persistent one; ``copies`` maps it to their directories,
+    nearest first; ``missing`` says why a file has none): a copy that is
+    missing, of another size, or whose bytes fail their checksums is left, with
+    a warning, for the next one, and the read is done again from there.
+    """
+
+    def __init__(self, checkpoint_dir: str, index: CheckpointIndex, verify: bool, who: str,
+                 copies: Optional[dict[str, tuple[str, ...]]] = None, missing: Optional[dict[str, str]] = None):
         self.dir = checkpoint_dir
         self.index = index
         self.verify = verify
         self.who = who  # e.g. "rank 3": starts every error message
+        self._copies = copies
+        self._missing = missing or {}
+        self._choice: dict[str, int] = {}  # data file -> the copy in use (index into its copies)
         self._fds: dict[str, int] = {}
+        self._dropped: list[int] = []  # descriptors of copies left: another read thread may still use one
+        self._lock = threading.Lock()
         self._local = threading.local()  # each read thread's staging buffer, see _staging
 
     def close(self) -> None:
         """Close every file opened so far."""
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), *self._dropped]:
             os.close(fd)
         self._fds.clear()
+        self._dropped.clear()
+
+    def copies_of(self, name: str) -> tuple[str, ...]:
+        """The directories holding a copy of data file ``name``, nearest first."""
+        return (self.dir,) if self._copies is None else self._copies.get(name, ())
+
+    def path(self, name: str) -> str:
+        """The path of the copy of data file ``name`` that reads use now."""
+        copies = self.copies_of(name)
+        choice = self._choice.get(name, 0)
+        return os.path.join(copies[choice] if choice < len(copies) else self.dir, name)
+
+    def next_copy(self, name: str, why: str) -> bool:
+        """Leave the copy of ``name`` in use (``why``: what is wrong with it) for the next one; whether there is one.
+
+        Safe to call from several read threads: the copy is left once, and its
+        descriptor stays open until ``close``.
+        """
+        with self._lock:
+            choice = self._choice.get(name, 0)
+            if choice + 1 >= len(self.copies_of(name)):
+                return False
+            fd = self._fds.pop(name, None)
+            if fd is not None:
+                self._dropped.append(fd)
+            self._choice[name] = choice + 1
+        logger.warning("fastpersist: %s: %s; reading %s from its next copy, %s", self.who, why, name,
+                       self.path(name))
+        return True
 
     def __enter__(self) -> "ShardReader":
         return self
@@ -59,23 +104,40 @@ class ShardReader:
             self._fd(name)
 
     def _fd(self, name: str) -> int:
-        fd = self._fds.get(name)
-        if fd is None:
-            path = os.path.join(self.dir, name)
+        with self._lock:
+            fd = self._fds.get(name)
+        while fd is None:
+            if not self.copies_of(name):
+                raise FastPersistError(f"{self.who}: no copy of {name} can be read from here: "
+                                       f"{self._missing.get(name, 'it is in no tier this load knows')}")
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    f"{self.who}: data file {path} listed in the index is missing"
-                ) from None
-            size = os.fstat(fd).st_size
-            if size != self.index.files[name]:
-                os.close(fd)
-                raise CorruptCheckpointError(
-                    f"{self.who}: {path} has {size} bytes, the index says {self.index.files[name]} "
-                    "(truncated or replaced file)"
-                )
-            self._fds[name] = fd
+                fd = self._open(name)
+            except CorruptCheckpointError as e:
+                if not self.next_copy(name, str(e)):
+                    raise
+                continue
+            with self._lock:
+                if name in self._fds:  # another read thread opened it meanwhile
+                    self._dropped.append(fd)
+                    fd = self._fds[name]
+                else:
+                    self._fds[name] = fd
+        return fd
+
+    def _open(self, name: str) -> int:
+        """A descriptor of the copy of ``name`` in use, its size checked against the index."""
+        path = self.path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self.who}: data file {path} listed in the index is missing") from None
+        size = os.fstat(fd).st_size
+        if size != self.index.files[name]:
+            os.close(fd)
+            raise CorruptCheckpointError(
+                f"{self.who}: {path} has {size} bytes, the index says {self.index.files[name]} "
+                "(truncated or replaced file)"
+            )
         return fd
 
     def _pread(self, record: ShardRecord, into: torch.Tensor, rel: int) -> None:
@@ -99,8 +161,14 @@ class ShardReader:
         step = self.index.checksum_block_bytes if self.verify else into.numel() or 1
         for start in range(0, into.numel(), step):
             piece = into[start : start + step]
-            self._pread(record, piece, rel + start)
-            self._check(record, piece, rel + start)
+            while True:
+                self._pread(record, piece, rel + start)
+                try:
+                    self._check(record, piece, rel + start)
+                    break
+                except CorruptCheckpointError as e:
+                    if not self.next_copy(record.file, str(e)):
+                        raise
 
     def _check(self, record: ShardRecord, data: torch.Tensor, rel: int) -> None:
         """Verify the whole blocks held in ``data``, which starts at block-aligned ``rel``."""
@@ -117,7 +185,7 @@ class ShardReader:
         """The error for a block of ``record`` whose bytes do not match its checksum."""
         at = record.offset + block_index * self.index.checksum_block_bytes
         return CorruptCheckpointError(
-            f"{self.who}: checksum mismatch in {os.path.join(self.dir, record.file)} at byte "
+            f"{self.who}: checksum mismatch in {self.path(record.file)} at byte "
             f"offset {at} (block {block_index} of {record.describe()}): the checkpoint is corrupt"
         )
 

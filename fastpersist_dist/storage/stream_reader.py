@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -191,7 +191,7 @@ class StreamReader:
         direct_end = min(_align_up(batch.hi, self.align), size // self.align * self.align)
         self.bytes_read += batch.hi - batch.lo
         if direct_end > batch.lo:
-            path = os.path.join(self.reader.dir, batch.file)
+            path = self.reader.path(batch.file)
             if self.handle.async_pread(slot[: direct_end - batch.lo], path, batch.lo) != 0:
                 raise OSError(f"{self.reader.who}: aio read of {path} at byte {batch.lo} could not start")
             self._pending = True
@@ -203,7 +203,21 @@ class StreamReader:
     def _consume(self, batch: Batch, slot: torch.Tensor, done: Callable[[torch.Tensor], None]) -> None:
         """Verify every block the batch's pieces touch (each once), then copy each piece out."""
         start = time.perf_counter()
-        data = slot.numpy()
+        while (bad := self._first_bad_block(batch, slot.numpy())) is not None:
+            # a damaged copy: the batch's bytes again from the file's next copy, if it has one
+            error = self.reader.checksum_error(*bad)
+            if not self.reader.next_copy(batch.file, str(error)):
+                raise error
+            self.reader.pread_at(batch.file, slot[: batch.hi - batch.lo], batch.lo, f"bytes of {batch.file}")
+        copied = time.perf_counter()
+        self.seconds["verify"] += copied - start
+        for piece in batch.pieces:
+            _copy_out(piece.box, slot, batch.lo)
+            done(piece.box.dest)
+        self.seconds["copy"] += time.perf_counter() - copied
+
+    def _first_bad_block(self, batch: Batch, data: Any) -> Optional[tuple[ShardRecord, int]]:
+        """The first (record, block) the batch's pieces touch whose bytes in ``data`` fail their checksum."""
         verified: set[tuple[int, int]] = set()
         for piece in batch.pieces:
             rec = piece.box.record
@@ -213,14 +227,9 @@ class StreamReader:
                 a = rec.offset + k * self.block - batch.lo
                 b = min(a + self.block, rec.offset + rec.length - batch.lo)
                 if digest_bytes(data[a:b]) != rec.checksums[k]:
-                    raise self.reader.checksum_error(rec, k)
+                    return rec, k
                 verified.add((rec.offset, k))
-        copied = time.perf_counter()
-        self.seconds["verify"] += copied - start
-        for piece in batch.pieces:
-            _copy_out(piece.box, slot, batch.lo)
-            done(piece.box.dest)
-        self.seconds["copy"] += time.perf_counter() - copied
+        return None
 
 
 def _copy_out(read: BoxRead, slot: torch.Tensor, slot_lo: int) -> None:
@@ -264,11 +273,12 @@ def open_stream(reader: ShardReader, aio: Callable[[], AioResources], direct_io:
     """
     if direct_io == "off" or not reader.verify or not reader.index.files:
         return None
-    if direct_io == "auto" and on_memory_filesystem(reader.dir):
+    first = min(reader.index.files)
+    if direct_io == "auto" and on_memory_filesystem(os.path.dirname(reader.path(first))):
         return None
     try:
         stream = StreamReader(reader, aio())
-        probe = os.path.join(reader.dir, min(reader.index.files))
+        probe = reader.path(first)
         os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
     except (RuntimeError, OSError) as e:  # no aio op, memlock limit, O_DIRECT refused (EINVAL)
         if direct_io == "on":

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from .. import compat
 from ..engine.commit import keep_committed_aux_files
 from ..engine.save import SaveEngine
+from ..engine.tiers import TieredSave
 from ..engine.staging import preprocessed
 from ..format.kinds import checkpoint_format as checkpoint_format_named
-from ..util.config import WriteConfig
+from ..util.config import TierConfig, WriteConfig
 
 
 class FastPersistSaveStrategy(compat.SaveStrategyBase):
@@ -46,6 +47,14 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
             metadata a rank sends and plans over does not grow with the world
             size; bytes are balanced over the group's ranks. None (default):
             the whole world is one group.
+        local_dir: a tiered save (docs/tiers.md): each rank writes into its
+            node's local tier at this path (the same on every node, each
+            node's own storage), committed there; the checkpoint is then copied
+            to the ``checkpoint_dir`` given to ``save()`` in the background and
+            committed there last (``fastpersist_dist.wait_durable``).
+        keep_local: with ``local_dir``, the checkpoints each node keeps there.
+        persistent: with ``local_dir``, False saves local checkpoints only
+            (never copied to the persistent tier).
     """
 
     def __init__(
@@ -54,6 +63,9 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         config: Optional[WriteConfig] = None,
         write_common_pt: bool = False,
         parallel_group: Optional[dist.ProcessGroup] = None,
+        local_dir: Optional[str] = None,
+        keep_local: int = TierConfig.keep_local,
+        persistent: bool = True,
         **knobs: Any,
     ):
         fmt = checkpoint_format_named(checkpoint_format or compat.DEFAULT_FORMAT)
@@ -62,7 +74,10 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
             raise ValueError("pass either config= or individual knobs, not both")
         self.config = config or WriteConfig(**knobs)
         self.checkpoint_format = fmt.name
-        self.write_common_pt = write_common_pt or not fmt.dcp_readable
+        self.tiers = TierConfig(local_dir, keep_local, persistent) if local_dir is not None else None
+        # megatron's load() reads the common state before any strategy: a tiered checkpoint's is in common.pt,
+        # committed to the persistent directory with the local commit (its DCP files arrive there later)
+        self.write_common_pt = write_common_pt or not fmt.dcp_readable or self.tiers is not None
         self._engine = SaveEngine(self.config, fmt, parallel_group)
 
     def load_ops(self, sharded_state_dict: Optional[dict] = None) -> None:
@@ -93,7 +108,7 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
     def save(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> None:
         """Synchronous save: tensors are written from where they are, without a snapshot copy."""
         aux = self._aux_files(sharded_state_dict, checkpoint_dir)
-        self._engine.prepare(sharded_state_dict, str(checkpoint_dir), False, aux).run()
+        self._engine.prepare(sharded_state_dict, str(checkpoint_dir), False, aux, tier=self._tier(checkpoint_dir)).run()
 
     def async_save(
         self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path], async_strategy: Optional[str] = None,
@@ -106,8 +121,13 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         aux = self._aux_files(sharded_state_dict, checkpoint_dir)
         request, unavailable = _request_type(async_strategy)
         # A queue this rank cannot serve is refused on every rank by the plan exchange, before anything is touched.
-        job = self._engine.prepare(sharded_state_dict, str(checkpoint_dir), True, aux, refusal=unavailable)
+        job = self._engine.prepare(sharded_state_dict, str(checkpoint_dir), True, aux, refusal=unavailable,
+                                   tier=self._tier(checkpoint_dir))
         return request(job.write, job.args, job.finalize)
+
+    def _tier(self, checkpoint_dir: Union[str, Path]) -> Optional[TieredSave]:
+        """Collective where tiered: this save's copies."""
+        return TieredSave.start(self.tiers, str(checkpoint_dir)) if self.tiers is not None else None
 
     def _aux_files(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> dict[str, bytes]:
         """The files rank 0 commits beside the checkpoint (``common.pt``); a committed one there stays until then.

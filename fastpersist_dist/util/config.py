@@ -8,6 +8,7 @@ these settings).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -133,6 +134,8 @@ class ReadConfig(AioKnobs):
         all it needs itself, independently of the others.
     io_buffer_mb, aio_block_mb, aio_queue_depth, aio_intra_op_parallelism:
         the reads' aio handle and locked buffer (``AioKnobs``).
+    local_dir: the local tier this node's copies of tiered checkpoints are read
+        from (docs/tiers.md); default: the one each checkpoint records.
     """
 
     verify_checksums: bool = True
@@ -140,9 +143,37 @@ class ReadConfig(AioKnobs):
     read_threads: int = 2
     direct_io: DirectIO = "auto"
     share_reads: DirectIO = "auto"
+    local_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_positive(self, "read_threads")
         _check_choice("direct_io", self.direct_io)
         _check_choice("share_reads", self.share_reads)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Where a tiered save keeps its copies (docs/tiers.md).
+
+    local_dir: the local tier: a directory of the same path on every node, each
+        node's own storage (an NVMe mount, or /dev/shm). Each rank writes its
+        share there; the index is committed into every node's copy; the
+        checkpoint is then copied to the persistent tier (the directory given
+        to ``save()``) in the background, its index committed there last.
+    keep_local: how many checkpoints each node keeps in its local tier; older
+        local copies go once their checkpoint is durable (the newest durable
+        one's stays), never while a copy there is the only one.
+    persistent: copy each checkpoint to the persistent tier (default); False:
+        local checkpoints only (Megatron-LM's non-persistent ones), never
+        copied, kept as ``keep_local`` says even though not durable.
+    """
+
+    local_dir: str
+    keep_local: int = 2
+    persistent: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.local_dir or not os.path.isabs(self.local_dir):
+            raise ValueError(f"local_dir must be an absolute path, the same on every node, got {self.local_dir!r}")
+        _check_positive(self, "keep_local")
