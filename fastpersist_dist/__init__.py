@@ -27,7 +27,8 @@ if not IS_WRITER:  # a rank's writer process needs none of this (nor megatron-co
     from .compat import ASYNC_SAVE_KWARGS, FullyParallelSaveWrapper
     from .engine.async_queue import AsyncSaveQueue
     from .engine.directory import prepare_checkpoint_dir
-    from .engine.tiers import checkpoint_state, wait_durable
+    from .engine.tiers.background import wait_copies
+    from .engine.tiers.state import checkpoint_state, wait_durable
     from .format.records import BACKEND, BACKEND_VERSION
     from .registry import register
     from .strategies.fastpersist_load import FastPersistLoadStrategy
@@ -58,5 +59,6 @@ __all__ = [
     "prepare_checkpoint_dir",
     "register",
     "verify_checkpoint",
+    "wait_copies",
     "wait_durable",
 ]

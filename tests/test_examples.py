@@ -30,3 +30,26 @@ def test_quickstart_runs_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert f"quickstart: 2 ranks saved, loaded resharded and verified {tmp_path / 'ckpts'}/step_200" in proc.stdout
     assert sorted(os.listdir(tmp_path / "ckpts")) == ["step_100", "step_200"]
+
+
+TIERED = ROOT / "examples" / "tiered.py"
+
+
+def test_tiers_doc_shows_the_tiered_example_verbatim():
+    code = TIERED.read_text()
+    body = code[code.index("import os"):]
+    assert f"```python\n{body}```" in (ROOT / "docs" / "tiers.md").read_text()
+
+
+def test_tiered_example_runs_under_torchrun(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    local, persistent = tmp_path / "local", tmp_path / "persistent"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(TIERED),
+         str(local), str(persistent)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert f"rank 0: {persistent}/step_100 is local right after the save" in proc.stdout
+    assert f"tiered: 2 ranks on 1 node(s) saved {persistent}/step_100 to {local}, now durable" in proc.stdout
+    assert len(os.listdir(local)) == 1  # the node's copy of step_100

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -32,13 +33,23 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategies
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, compat, prepare_checkpoint_dir
-from fastpersist_dist.format.records import INDEX_FILE
+from fastpersist_dist import (
+    FastPersistLoadStrategy,
+    FastPersistSaveStrategy,
+    checkpoint_state,
+    compat,
+    prepare_checkpoint_dir,
+)
+from fastpersist_dist.format.records import INDEX_FILE, is_data_file
+from fastpersist_dist.format.tiers import local_copy_dir
 from fastpersist_dist.integrations import megatron_lm
+from fastpersist_dist.tools.inspect import inspect_checkpoint
 from fastpersist_dist.tools.ranks import run_ranks, serve_store
 from fastpersist_dist.tools.verify import verify_checkpoint
+from fastpersist_dist.util.errors import FastPersistError
 
 from .helpers import rows_and_replica
+from .nodes import on_node
 
 pytestmark = pytest.mark.contract
 
@@ -120,6 +131,28 @@ def test_enable_starts_the_writer_process_ahead_only_for_async_save():
     assert run_ranks(1, _enable_with_argv) == [[False, True]]
 
 
+def test_local_checkpoint_flags_translate_onto_tiers():
+    plain = ["--save", "/ckpt", "--non-persistent-ckpt-type", "global"]
+    assert megatron_lm.translate_local_flags(plain) == megatron_lm.LocalCheckpointFlags(plain, None)
+    flags = megatron_lm.translate_local_flags(
+        ["--save=/ckpt", "--non-persistent-ckpt-type=local", "--non-persistent-local-ckpt-dir", "/nvme/ckpt",
+         "--replication", "--replication-jump", "8", "--replication-factor=3", "--non-persistent-local-ckpt-algo",
+         "atomic", "--lr", "1e-3"])
+    assert flags.argv == ["--save=/ckpt", "--lr", "1e-3", "--non-persistent-ckpt-type", "global"]
+    assert flags.tiers is not None and (flags.tiers.local_dir, flags.tiers.replicas) == ("/nvme/ckpt", 2)
+    assert flags.tiers.local_only_under == "/ckpt/non_persistent"
+    assert not flags.tiers.for_checkpoint("/ckpt/non_persistent/iter_0000010").persistent
+    assert flags.tiers.for_checkpoint("/ckpt/iter_0000010").persistent
+    assert flags.tiers.for_checkpoint("/ckpt/non_persistent_old/iter_0000010").persistent
+    unreplicated = megatron_lm.translate_local_flags(["--non-persistent-ckpt-type", "local",
+                                                      "--non-persistent-local-ckpt-dir", "/nvme",
+                                                      "--non-persistent-global-ckpt-dir", "/np"])
+    assert unreplicated.tiers is not None and unreplicated.tiers.replicas == 0
+    assert unreplicated.tiers.local_only_under == "/np"
+    with pytest.raises(FastPersistError, match="needs --non-persistent-local-ckpt-dir"):
+        megatron_lm.translate_local_flags(["--non-persistent-ckpt-type", "local"])
+
+
 def test_enable_refuses_a_module_without_the_seams():
     with pytest.raises(Exception, match=f"has no {SAVE_SEAM}"):
         megatron_lm.enable(target=types.ModuleType("not_megatron_lm"))
@@ -140,16 +173,24 @@ ASYNC = ["--async-save", "--use-persistent-ckpt-worker"] + (
     ["--async-strategy", compat.ASYNC_SAVE_KWARGS["async_strategy"]] if compat.ASYNC_SAVE_KWARGS else [])
 
 
-def _run(phase: str, ckpt: Path, extra: list[str], launcher: list[str], env: dict, world: int = 2) -> list[dict]:
+def _run(phase: str, ckpt: Path, extra: list[str], launcher: list[str], env: dict, world: int = 2,
+         nodes: Optional[tuple[list[str], str]] = None) -> list[dict]:
     """Run the driver on ``world`` ranks; every rank's RESULT line, or the failure with its log tail.
 
     ``env``: the training environment (the ``megatron_lm_env`` fixture) plus the test's variables.
+    ``nodes``: (node directories, local path): rank r is node r, seeing directory r at the local path.
     """
     argv = [*launcher, str(DRIVER), phase, str(ckpt), *TINY_GPT, "--save", str(ckpt), "--load", str(ckpt), *extra]
     with serve_store(world) as store:  # the ranks join it as torchrun's do
         env = {**env, **store}
-        procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=str(REPO),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+        ranks = [{"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world)]
+        commands = [argv] * world
+        if nodes is not None:
+            ranks = [{"RANK": str(r), "LOCAL_RANK": "0", "GROUP_RANK": str(r), "LOCAL_WORLD_SIZE": "1"}
+                     for r in range(world)]
+            commands = [on_node(nodes[0][r], nodes[1], argv) for r in range(world)]
+        procs = [subprocess.Popen(commands[r], env={**env, **ranks[r]}, cwd=str(REPO), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(world)]
         outputs = []
         for p in procs:
             try:
@@ -213,3 +254,36 @@ def test_megatron_lm_training_async_through_the_runner(megatron_lm_env, tmp_path
     _check_run(ckpt, train, resume, "FastPersistSaveStrategy")
     # The runner started each rank's writer before Megatron-LM built its model, not in the first save.
     assert all(r["writer_before_first_save"] for r in train + resume)
+
+
+@pytest.mark.slow
+def test_megatron_lm_local_checkpoint_flags_through_the_runner(megatron_lm_env, tmp_path, root):
+    """Megatron-LM's own flags for node-local checkpoints, through the runner, each rank a node with its own local
+    tier (tests/nodes.py): its persistent saves become durable in --save, its non-persistent ones stay on the
+    local tiers, replicated; the resume reads the newest (a non-persistent one) from the local tiers."""
+    ckpt, local = tmp_path / "ckpt", tmp_path / "local-tier"
+    node_dirs = [tmp_path / f"node{n}" for n in range(2)]
+    for d in (ckpt, local, *node_dirs):
+        d.mkdir()
+    launcher = [sys.executable, "-m", "fastpersist_dist.megatron_lm"]
+    extra = ["--train-iters", "5", "--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "local",
+             "--non-persistent-local-ckpt-dir", str(local), "--replication", "--replication-jump", "1",
+             "--replication-factor", "2"]
+    nodes = ([str(d) for d in node_dirs], str(local))
+    train = _run("train", ckpt, extra, launcher, megatron_lm_env, nodes=nodes)
+    assert all(r["saved"] == [1, 2, 3, 4, 5] for r in train), train
+    non_persistent = ckpt / megatron_lm.NON_PERSISTENT_SUBDIR / "iter_0000005"
+    assert [checkpoint_state(str(ckpt / f"iter_{i:07d}")) for i in (2, 4)] == ["durable", "durable"]
+    report = inspect_checkpoint(str(non_persistent))
+    assert report.ok and report.tiers is not None, report.problems
+    assert (report.tiers.state, report.tiers.persistent, report.tiers.replica_nodes) == ("replicated", False,
+                                                                                       [[1], [0]]), report.tiers
+    assert not [n for n in os.listdir(non_persistent) if is_data_file(n)]  # its data: on the local tiers only
+    for node_dir in node_dirs:  # each node: its own file of the newest checkpoint and the other node's replica
+        copy = Path(node_dir) / os.path.relpath(local_copy_dir(str(local), str(non_persistent)), local)
+        assert len([n for n in os.listdir(copy) if is_data_file(n)]) == 2, os.listdir(copy)
+    resume = _run("resume", ckpt, extra, launcher, megatron_lm_env, nodes=nodes)
+    for result in resume:
+        assert result["iteration"] == result["expected_iteration"] == 5
+        assert result["mismatched"] == [] and result["optim_equal"] is True
+    assert checkpoint_state(str(ckpt / "iter_0000006")) == "durable"

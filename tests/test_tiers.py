@@ -1,22 +1,32 @@
 """Tiered checkpoints across nodes: torchrun twice on this machine (``--nnodes 2``), each node with its own local
-tier at one path (tests/nodes.py), the persistent tier a directory both see."""
+tier at one path (tests/nodes.py), the persistent tier a directory both see or an S3 bucket (tests/object_store.py).
+
+The adapters' part (megatron's save() and load() around a tiered strategy) runs on every stack (``contract``);
+the engine's behaviour (replicas, refusals, faults, object storage) on the main stack (``engine``).
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from fastpersist_dist import checkpoint_state
+from fastpersist_dist import checkpoint_state, compat
+from fastpersist_dist.engine.index_reader import read_index
+from fastpersist_dist.format.kinds import checkpoint_format
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
-from fastpersist_dist.format.tiers import TIERS_FILE, local_copy_dir
+from fastpersist_dist.format.tiers import PENDING_DIR, TIERS_FILE, local_copy_dir
+from fastpersist_dist.storage.files import TMP_SUFFIX
+from fastpersist_dist.tools.inspect import format_report, inspect_checkpoint
 
 from .helpers import flip_bit
-from .nodes import run_nodes
+from .nodes import Nodes, run_nodes
 
-pytestmark = pytest.mark.contract  # megatron-core's save() and load() around a tiered strategy
+REPLICA_ROWS = 262144  # rows of w per rank: 256 MiB, so a replica is still on its way when a node is killed
 
 
 @pytest.fixture
@@ -33,17 +43,18 @@ def cluster(root, tmp_path: Path) -> dict:
 
 
 def _ckpt(cluster: dict, name: str) -> str:
-    return os.path.join(cluster["persistent"], name)
+    return name if "://" in name else os.path.join(cluster["persistent"], name)
 
 
-def _save(cluster: dict, *saves: dict) -> list[dict]:
+def _save(cluster: dict, *saves: dict, **options) -> list[dict]:
     """Each save (``name``, ``step`` and the driver's options) in turn, in one run of the nodes."""
     args = [{"checkpoint": _ckpt(cluster, s["name"]), "local_dir": cluster["local"], **s} for s in saves]
-    return run_nodes("save", {"saves": args}, cluster["nodes"], cluster["local"])
+    return run_nodes("save", {"saves": args, **options}, cluster["nodes"], cluster["local"])
 
 
-def _load(cluster: dict, name: str, step: int) -> list[dict]:
-    return run_nodes("load", {"checkpoint": _ckpt(cluster, name), "step": step}, cluster["nodes"], cluster["local"])
+def _load(cluster: dict, name: str, step: int, **options) -> list[dict]:
+    return run_nodes("load", {"checkpoint": _ckpt(cluster, name), "step": step, **options}, cluster["nodes"],
+                     cluster["local"])
 
 
 def _node_copy(cluster: dict, node: int, name: str) -> str:
@@ -52,10 +63,22 @@ def _node_copy(cluster: dict, node: int, name: str) -> str:
     return os.path.join(cluster["nodes"][node], os.path.relpath(copy, cluster["local"]))
 
 
+def _wipe(cluster: dict, node: int) -> None:
+    """Node ``node`` replaced by a fresh machine: its local tier empty."""
+    shutil.rmtree(cluster["nodes"][node])
+    os.makedirs(cluster["nodes"][node])
+
+
+def _data_file(rank: int) -> str:
+    """The name of ``rank``'s data file in this stack's default format."""
+    return checkpoint_format(compat.DEFAULT_FORMAT).data_file(rank)
+
+
 def _data_files(directory: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if is_data_file(n))
 
 
+@pytest.mark.contract
 def test_each_node_keeps_its_share_and_loads_it_from_its_own_copy(cluster):
     """An async save: local at once, then durable; the persistent tier's data files are then removed, so the
     load can only have read each node's own copy."""
@@ -68,18 +91,20 @@ def test_each_node_keeps_its_share_and_loads_it_from_its_own_copy(cluster):
         assert {TIERS_FILE, INDEX_FILE} <= set(os.listdir(copy)) and len(_data_files(copy)) == 1, os.listdir(copy)
     ckpt = _ckpt(cluster, "s1")
     assert checkpoint_state(ckpt) == "durable" and len(_data_files(ckpt)) == 2
+    assert not os.listdir(os.path.join(ckpt, PENDING_DIR))  # the pending index went with the commit there
     for name in _data_files(ckpt):
         os.unlink(os.path.join(ckpt, name))
     loaded = _load(cluster, "s1", 1)
     assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
 
 
+@pytest.mark.engine
 def test_a_fresh_node_and_a_damaged_copy_read_the_persistent_tier(cluster):
     """Node 1's local tier is empty (a replaced machine); a byte of node 0's copy rotted: both load from the
     persistent tier, node 0 saying which copy failed its checksums."""
     saved = _save(cluster, {"name": "s1", "step": 1, "wait_durable": True})
     assert all(r["saves"][0]["durable"] for r in saved), saved
-    shutil.rmtree(_node_copy(cluster, 1, "s1"))
+    _wipe(cluster, 1)
     copy = _node_copy(cluster, 0, "s1")
     flip_bit(os.path.join(copy, _data_files(copy)[0]), 4096)
     loaded = _load(cluster, "s1", 1)
@@ -88,14 +113,158 @@ def test_a_fresh_node_and_a_damaged_copy_read_the_persistent_tier(cluster):
                for w in loaded[0]["warnings"]), loaded[0]["warnings"]
 
 
+@pytest.mark.engine
+def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(cluster):
+    """replicas=1, local checkpoints only: each node also keeps the other's file (inspect shows it, from the
+    persistent directory and from a node's copy); node 1 replaced by a fresh machine loads its share from node
+    0's replica (the persistent tier has no data file to read)."""
+    saved = _save(cluster, {"name": "s1", "step": 1, "replicas": 1, "persistent": False, "wait_copies": True})
+    assert all(r["saves"][0]["copied"] and r["saves"][0]["state"] == "replicated" for r in saved), saved
+    for node in (0, 1):
+        assert len(_data_files(_node_copy(cluster, node, "s1"))) == 2, os.listdir(_node_copy(cluster, node, "s1"))
+    ckpt = _ckpt(cluster, "s1")
+    assert not _data_files(ckpt) and INDEX_FILE in os.listdir(os.path.join(ckpt, PENDING_DIR))
+    for where in (ckpt, _node_copy(cluster, 0, "s1")):
+        report = inspect_checkpoint(where)
+        assert report.tiers is not None and report.tiers.state == "replicated", report
+        assert (report.tiers.nodes, report.tiers.replica_nodes) == ([[0], [1]], [[1], [0]]), report.tiers
+        assert not report.tiers.persistent and report.tiers.drained == 0 and report.tiers.data_files == 2
+    report = inspect_checkpoint(ckpt)
+    assert report.ok and report.index == "pending" and len(report.files) == 2, report.problems
+    text = format_report(report)
+    assert "tiers: replicated" in text and "node 1: ranks 1; replicas on nodes 0" in text, text
+    _wipe(cluster, 1)
+    loaded = _load(cluster, "s1", 1)
+    assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
+
+
+@pytest.mark.engine
+def test_a_damaged_replica_is_detected_and_the_next_copy_used(cluster):
+    """Node 0 lost; the replica of its file on node 1 rotted. Every rank loads all of ``w`` reading for itself
+    (a resharding, reads not shared), so node 1 reads node 0's file from its replica: the checksums catch it,
+    the persistent copy serves, and the warning names the damaged replica."""
+    saved = _save(cluster, {"name": "s1", "step": 1, "replicas": 1, "wait_durable": True, "wait_copies": True})
+    assert all(r["saves"][0]["durable"] for r in saved), saved
+    _wipe(cluster, 0)
+    replica_dir, replica = _node_copy(cluster, 1, "s1"), _data_file(0)
+    w = next(r for r in read_index(_ckpt(cluster, "s1"), "test").records if r.file == replica and r.key == "w")
+    flip_bit(os.path.join(replica_dir, replica), w.offset + w.data_offset + 100)  # in rank 0's rows of w
+    loaded = _load(cluster, "s1", 1, whole=True, share_reads="off")
+    assert all(r.get("equal") for r in loaded), loaded
+    assert any("checksum mismatch in" in w and os.path.join(_local_view(cluster, replica_dir), replica) in w
+               and "from its next copy" in w for r in loaded for w in r["warnings"]), loaded
+
+
+def _local_view(cluster: dict, outside: str) -> str:
+    """A path of a node's directory as the node sees it (at the local-tier path)."""
+    node_dir = next(d for d in cluster["nodes"] if outside.startswith(d))
+    return os.path.join(cluster["local"], os.path.relpath(outside, node_dir))
+
+
+@pytest.mark.engine
 def test_a_local_only_checkpoint_that_lost_a_node_is_refused_naming_the_newest_durable_one(cluster):
     saved = _save(cluster, {"name": "s1", "step": 1, "wait_durable": True},
                   {"name": "s2", "step": 2, "persistent": False})
     assert all(r["saves"][1]["state"] == "local" for r in saved), saved
-    shutil.rmtree(_node_copy(cluster, 1, "s2"))  # lost with node 1: it was never copied anywhere
+    _wipe(cluster, 1)  # s2's data of node 1 was never copied anywhere
     loaded = _load(cluster, "s2", 2)
-    assert "this node's copy" in loaded[1]["error"] and "is missing" in loaded[1]["error"], loaded[1]
-    newest = _ckpt(cluster, "s1")
-    assert f"the newest durable checkpoint beside it is {newest}" in loaded[1]["error"], loaded[1]
+    error = loaded[1]["error"]
+    assert "is kept only in the local tiers of nodes 1" in error and "no rank of this load holds" in error, error
+    assert f"the newest durable checkpoint beside it is {_ckpt(cluster, 's1')}" in error, error
     # rank 0 had its copy: it raises naming rank 1, instead of waiting for it
     assert "a rank sharing its reads failed: group rank 1" in loaded[0]["error"], loaded[0]
+
+
+@pytest.mark.engine
+def test_a_node_killed_during_replication_loses_nothing(cluster):
+    """Node 1 killed while a replica is on its way: the checkpoint never shows replicated, no partial replica
+    is taken for a copy, and after the restart it loads from the local tiers, as does the durable one before."""
+    args = {"saves": [
+        {"checkpoint": _ckpt(cluster, "s1"), "local_dir": cluster["local"], "step": 1, "wait_durable": True},
+        {"checkpoint": _ckpt(cluster, "s2"), "local_dir": cluster["local"], "step": 2, "rows": REPLICA_ROWS,
+         "replicas": 1, "persistent": False, "wait_copies": True}]}
+    nodes = Nodes("save", args, cluster["nodes"], cluster["local"])
+    replica_of_0 = os.path.join(_node_copy(cluster, 1, "s2"), _data_file(0))
+    deadline = time.monotonic() + 240
+    while not any(n.startswith(f"{_data_file(0)}.") and n.endswith(TMP_SUFFIX) for n in _listdir(replica_of_0)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in nodes.procs), "no replica on its way"
+        time.sleep(0.002)
+    nodes.kill(1)
+    nodes.finish(check=False)
+    assert checkpoint_state(_ckpt(cluster, "s2")) == "local"
+    assert not os.path.exists(replica_of_0)
+    assert _load(cluster, "s1", 1)[0]["equal"]
+    loaded = _load(cluster, "s2", 2, rows=REPLICA_ROWS)
+    assert all(r.get("equal") for r in loaded), loaded
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(os.path.dirname(path))
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.engine
+def test_a_full_local_tier_fails_the_save_naming_node_and_path(cluster, small_fs):
+    """Node 1's local tier is an 8 MiB filesystem; a save of 16 MiB per rank fails on every rank with an error
+    naming node 1 and the path, and the durable checkpoint before it still loads."""
+    cluster["nodes"][1] = small_fs
+    saved = _save(cluster, {"name": "s1", "step": 1, "wait_durable": True},
+                  {"name": "s2", "step": 2, "rows": 16384})
+    for r in saved:
+        error = r["saves"][1].get("error", "")
+        assert "No space left on device" in error and "node 1" in error and cluster["local"] in error, r
+    assert _load(cluster, "s1", 1)[0]["equal"]
+
+
+@pytest.mark.engine
+def test_drained_to_object_storage_and_restarted_from_it(cluster, s3):
+    """The persistent tier an S3 bucket (msc://): durable there; both local tiers lost, a load fetches every
+    file from S3 (checked) into the local tiers, and the next load reads those."""
+    url = f"msc://s3/{uuid.uuid4().hex}/s1"
+    saved = _save(cluster, {"name": url, "step": 1, "replicas": 1, "wait_durable": True}, msc=True)
+    assert all(r["saves"][0]["durable"] for r in saved), saved
+    report = inspect_checkpoint(url)
+    assert report.ok and report.index == "committed" and report.tiers is not None, report
+    assert (report.tiers.state, report.tiers.drained, report.tiers.data_files) == ("durable", 2, 2), report.tiers
+    _wipe(cluster, 0)
+    _wipe(cluster, 1)
+    loaded = _load(cluster, url, 1, msc=True)
+    assert all(r.get("equal") for r in loaded), loaded
+    for node in (0, 1):
+        assert _data_files(_node_copy(cluster, node, url)), os.listdir(_node_copy(cluster, node, url))
+    again = _load(cluster, url, 1, msc=True)
+    assert all(r.get("equal") for r in again), again
+
+
+@pytest.mark.engine
+def test_the_s3_server_killed_during_the_drain(cluster, s3):
+    """S3 killed once the checkpoint is committed locally, back 5 s later: the drain tries again and finishes;
+    it is never durable before; it then loads from S3 alone."""
+    url = f"msc://s3/{uuid.uuid4().hex}/s1"
+    args = {"msc": True, "saves": [{"checkpoint": url, "local_dir": cluster["local"], "step": 1, "rows": 65536,
+                                    "wait_durable": True, "timeout": 240}]}
+    nodes = Nodes("save", args, cluster["nodes"], cluster["local"])
+    deadline = time.monotonic() + 240
+    while (state := _state_or_none(url)) is None:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in nodes.procs), "no local commit"
+        time.sleep(0.01)
+    s3.stop()
+    assert state == "local"
+    time.sleep(5)
+    s3.start()
+    saved = nodes.finish()
+    assert all(r["saves"][0]["durable"] for r in saved), saved
+    assert any("trying again" in w for r in saved for w in r["warnings"]), saved
+    _wipe(cluster, 0)
+    _wipe(cluster, 1)
+    loaded = _load(cluster, url, 1, rows=65536, msc=True)
+    assert all(r.get("equal") for r in loaded), loaded
+
+
+def _state_or_none(url: str):
+    try:
+        return checkpoint_state(url)
+    except Exception:  # noqa: BLE001 - not there yet
+        return None

@@ -3,84 +3,133 @@
 ``tests/test_tiers.py`` starts torchrun once per node (``--nnodes 2 --node-rank N``), each in a mount
 namespace of its own where the same local-tier path is that node's own directory. Actions:
 
-* ``save``: for each of ``saves``, save the state of its ``step`` into its ``checkpoint`` (``local_dir``,
-  ``persistent``, ``async`` as it says), then optionally wait until it is durable;
-* ``load``: load ``checkpoint`` into a fresh state of ``step`` (with ``loader_local_dir`` if given) and compare.
+* ``save``: for each of ``saves``, save the state of its ``step`` (``rows`` rows of ``w`` per rank) into its
+  ``checkpoint`` (``local_dir``, ``replicas``, ``persistent``, ``async`` as it says), then optionally wait
+  until it is durable (``wait_durable``) or until this rank's copies are done (``wait_copies``);
+* ``load``: load ``checkpoint`` into a fresh state of ``step`` (with ``loader_local_dir`` and ``share_reads`` if
+  given; ``whole``: every rank asks for all of ``w``) and compare.
 
-Prints one line ``RESULT {...}``: what this rank saw, and the warnings it logged.
+``msc``: turn on megatron-core's multi-storage-client support (``msc://`` checkpoint paths, ``--enable-msc``).
+Prints one line ``RESULT {...}``: what this rank saw, and the warnings and errors it logged.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
 
-from fastpersist_dist import (ASYNC_SAVE_KWARGS, AsyncSaveQueue, FastPersistLoadStrategy, FastPersistSaveStrategy,
-                              checkpoint_state, wait_durable)
+from fastpersist_dist import (
+    ASYNC_SAVE_KWARGS,
+    AsyncSaveQueue,
+    FastPersistLoadStrategy,
+    FastPersistSaveStrategy,
+    checkpoint_state,
+    wait_copies,
+    wait_durable,
+)
 
 from .helpers import empty_like_request, global_tensor, sharded
 
 
-def state(rank: int, world: int, step: int) -> dict:
-    """Rows of ``w`` split over the ranks, ``b`` replicated: what every scenario saves (``step``: the values)."""
-    return {"w": sharded("w", global_tensor("w", (64 * world, 256), salt=step), rank, world, 0),
+def state(rank: int, world: int, step: int, rows: int = 64) -> dict:
+    """``rows`` rows of ``w`` per rank (made from the step and the rank only: a large state costs no rank the
+    whole tensor), ``b`` replicated: what every scenario saves (``step``: the values)."""
+    local = torch.randn((rows, 256), generator=torch.Generator().manual_seed(step * 1000 + rank))
+    return {"w": ShardedTensor.from_rank_offsets("w", local, (0, rank, world)),
             "b": sharded("b", global_tensor("b", (1000,), salt=step), rank, world, None)}
+
+
+def whole_state(rank: int, world: int, step: int, rows: int = 64) -> dict:
+    """The whole of :func:`state`'s tensors, as a rank that asks for all of them loads it (a resharding)."""
+    full = torch.cat([state(r, world, step, rows)["w"].data for r in range(world)])
+    return {"w": ShardedTensor.from_rank_offsets("w", full, replica_id=rank), "b": state(rank, world, step, rows)["b"]}
 
 
 def _save(rank: int, world: int, args: dict) -> dict:
     ckpt = args["checkpoint"]
-    if rank == 0:
+    if rank == 0 and "://" not in ckpt:
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
     strategy = FastPersistSaveStrategy(args.get("format"), local_dir=args["local_dir"],
-                                       persistent=args.get("persistent", True))
-    sd = state(rank, world, args["step"])
-    if args.get("async"):
-        queue = AsyncSaveQueue()
-        queue.schedule(dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True,
-                                               **ASYNC_SAVE_KWARGS))
-        queue.close()
-    else:
-        dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy)
-    saved = {"state_after_save": checkpoint_state(ckpt)}
+                                       replicas=args.get("replicas", 0), persistent=args.get("persistent", True))
+    sd = state(rank, world, args["step"], args.get("rows", 64))
+    saved: dict = {}
+    try:
+        if args.get("async"):
+            queue = AsyncSaveQueue()
+            queue.schedule(dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True,
+                                                   **ASYNC_SAVE_KWARGS))
+            queue.close()
+        else:
+            dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        saved["error"] = f"{type(e).__name__}: {e}"
+    saved["state_after_save"] = _state(ckpt)
     if args.get("wait_durable"):
-        saved["durable"] = wait_durable(ckpt, timeout=120)
-    saved["state"] = checkpoint_state(ckpt)
+        saved["durable"] = wait_durable(ckpt, timeout=args.get("timeout", 120))
+    if args.get("wait_copies"):
+        saved["copied"] = wait_copies(timeout=args.get("timeout", 120))
+    saved["state"] = _state(ckpt)
     return saved
 
 
+def _state(ckpt: str) -> str:
+    """The checkpoint's state, or why it cannot be asked now (an object store down)."""
+    try:
+        return str(checkpoint_state(ckpt))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return f"{type(e).__name__}: {e}"
+
+
+def _load(rank: int, world: int, args: dict) -> dict:
+    ckpt = args["checkpoint"]
+    rows = args.get("rows", 64)
+    want = whole_state(rank, world, args["step"], rows) if args.get("whole") else state(rank, world, args["step"], rows)
+    request = {k: empty_like_request(v) for k, v in want.items()}
+    loader = FastPersistLoadStrategy(local_dir=args.get("loader_local_dir"),
+                                     share_reads=args.get("share_reads", "auto"))
+    out: dict = {}
+    started = time.perf_counter()
+    try:
+        loaded = dist_checkpointing.load(request, ckpt, sharded_strategy=loader)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    else:
+        out["equal"] = all(torch.equal(loaded[k], v.data) for k, v in want.items())
+    out["seconds"] = time.perf_counter() - started
+    out["state"] = _state(ckpt)
+    return out
+
+
 def main(action: str, args: dict) -> dict:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # tests/nodes.py asks a hung rank for its stacks
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("fastpersist_dist").addHandler(handler)
+    if args.get("msc"):
+        from megatron.core.msc_utils import MultiStorageClientFeature
+
+        MultiStorageClientFeature.enable()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     result: dict = {"rank": rank, "node": os.environ["GROUP_RANK"], "warnings": warnings}
     if action == "save":
         result["saves"] = [_save(rank, world, one) for one in args["saves"]]
     else:
-        ckpt = args["checkpoint"]
-        want = state(rank, world, args["step"])
-        request = {k: empty_like_request(v) for k, v in want.items()}
-        loader = FastPersistLoadStrategy(local_dir=args.get("loader_local_dir"))
-        started = time.perf_counter()
-        try:
-            loaded = dist_checkpointing.load(request, ckpt, sharded_strategy=loader)
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            result["error"] = f"{type(e).__name__}: {e}"
-        else:
-            result["equal"] = all(torch.equal(loaded[k], v.data) for k, v in want.items())
-        result["seconds"] = time.perf_counter() - started
-        result["state"] = checkpoint_state(ckpt)
+        result.update(_load(rank, world, args))
+    wait_copies()  # the replicas travel over the process group
     dist.barrier()
     dist.destroy_process_group()
     return result

@@ -75,7 +75,7 @@ def _validated_records(statuses: list[dict[str, Any]], block_bytes: int, where: 
 
 class _Commit:
     """Where the committed files go: into ``directory`` at once (a shared directory), or, for a tiered save's
-    local commit (``kept``), into a list in commit order, for every node's copy (``engine/tiers.py``)."""
+    local commit (``kept``), into a list in commit order, for every node's copy (``engine/tiers/save.py``)."""
 
     def __init__(self, directory: str, kept: bool):
         self.directory = directory
@@ -173,7 +173,7 @@ def finalize_save(
     name -> bytes) are committed with the checkpoint. ``spread``: a tiered
     save's local commit, where ``checkpoint_dir`` is each node's own copy:
     nothing is written here; every rank gets the committed files, in commit
-    order (the marker last), for its node's copy (``engine/tiers.py``).
+    order (the marker last), for its node's copy (``engine/tiers/save.py``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)

@@ -39,13 +39,15 @@ from ..format.layout import Extent, intersect
 from ..format.records import INDEX_FILE, KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, dtype_from_name
 from ..storage.deepspeed_ops import aio_resources
 from ..storage.reader import ShardReader
-from ..storage.stream_reader import BoxRead, StreamReader, on_memory_filesystem, open_stream
+from ..storage.shared_dir import on_memory_filesystem
+from ..storage.stream_reader import BoxRead, StreamReader, open_stream
 from ..util import progress
 from ..util.config import ReadConfig
 from ..util.errors import FastPersistError
 from .index_reader import check_markers, read_index, read_top
 from .read_exchange import ReadExchange, read_order, shared_load, sharing_group
-from .tiers import copies_for_load
+from .tiers.copies import copies_for_load
+from .tiers.retention import reading
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +89,15 @@ class LoadEngine:
             try:
                 copies = copies_for_load(checkpoint_dir, who, cfg.local_dir)  # None: not a tiered checkpoint
                 index_dir = checkpoint_dir if copies is None else copies.index_dir
+                closing.enter_context(reading(None if copies is None else copies.local))
                 # a tiered checkpoint: every record, so that a rank can read any file it holds for the others
                 wants = requested_boxes(nested_values(sharded_state_dict)) if copies is None else None
                 index = read_index(index_dir, who, wants)
+                if copies is not None:
+                    copies.locate(index)
                 reader = closing.enter_context(ShardReader(
-                    checkpoint_dir, index, cfg.verify_checksums, who, *(() if copies is None else
-                                                                       (copies.dirs, copies.missing))))
+                    checkpoint_dir, index, cfg.verify_checksums, who, *(() if copies is None else (
+                        copies.dirs, copies.missing, copies.fetcher(index, who)))))
                 stream = open_stream(reader, lambda: aio_resources(cfg.aio), cfg.direct_io)
                 loader = Loader(index, reader, rank, cfg.trust_objects, stream)
                 dict_list_map_inplace(loader.load, sharded_state_dict)

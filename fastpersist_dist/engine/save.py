@@ -41,7 +41,7 @@ from .commit import finalize_save
 from .directory import check_shared_directory, check_target_directory, invalidate
 from .staging import Lease, SnapshotPool, StagedShard, assign, stage, to_elements
 from .status import write_and_report
-from .tiers import TieredSave
+from .tiers.save import TieredSave
 from .writer_process import WriterJob, describe_items, write_in_writer, writer_client
 
 logger = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class SaveEngine:
         ``aux_files`` (name -> bytes) are committed by rank 0 with the checkpoint.
         ``refusal``: the caller's reason why this rank cannot go on; like a bad
         input, every rank then raises it after the plan exchange, before anything
-        is touched. ``tier``: a tiered save (``engine/tiers.py``): each rank
+        is touched. ``tier``: a tiered save (``engine/tiers/save.py``): each rank
         writes into its node's copy, committed there, then moved to
         ``checkpoint_dir`` in the background.
         """
@@ -303,7 +303,7 @@ class SaveEngine:
         if tier is not None or rank == 0:
             try:
                 invalidate(ckpt, rewritten) if tier is None else tier.invalidate(rewritten)
-            except OSError as e:
+            except (OSError, FastPersistError) as e:  # e.g. an object store that cannot be reached
                 prep_error = f"rank {rank}: preparing {ckpt} failed: {e}"
         before_writing(what).agree(failure(prep_error))
         phases.mark("invalidate")

@@ -11,8 +11,10 @@ to ``save()``) in the background and commits the index there last.
 that id), where its copies are, and, in the persistent directory, its state:
 
 * ``local``: every rank's data file is on its node's local tier, the index in
-  every node's copy (written there, and to the persistent directory without
-  its data, at the local commit; loadable from the local tiers);
+  every node's copy and, not committed, in the persistent directory's
+  ``PENDING_DIR`` (loadable from the local tiers, by any node);
+* ``replicated``: each node's data files are also in the local tiers of the
+  ``replicas`` other nodes its manifest names (any one node may be lost);
 * ``durable``: every data file copied to the persistent tier and checked
   against its checksums, the index committed there last.
 
@@ -33,9 +35,11 @@ from ..util.errors import CorruptCheckpointError
 from .checksum import digest_bytes
 
 TIERS_FILE = "fastpersist_tiers.json"
+PENDING_DIR = ".fastpersist_pending"  # the index of a checkpoint not durable yet, in the persistent directory
 LOCAL = "local"
+REPLICATED = "replicated"
 DURABLE = "durable"
-STATES = (LOCAL, DURABLE)
+STATES = (LOCAL, REPLICATED, DURABLE)
 _NAME_RE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -61,6 +65,12 @@ class TierManifest:
     state: str
     created: float  # unix time of the local commit
     persistent: bool = True  # False: a local checkpoint only, never copied to the persistent tier
+    replica_nodes: tuple[tuple[int, ...], ...] = ()  # node -> the other nodes that hold its data files too
+
+    def holders(self, data_file: str) -> tuple[int, ...]:
+        """The nodes whose local tier holds ``data_file``: its rank's, then its replicas'."""
+        node = self.node_of(self.files[data_file])
+        return (node, *(self.replica_nodes[node] if self.replica_nodes else ()))
 
     @property
     def world_size(self) -> int:
@@ -83,6 +93,7 @@ class TierManifest:
             "nodes": [list(r) for r in self.nodes], "files": dict(sorted(self.files.items())),
             "index_files": list(self.index_files), "index_xxh3_64": self.index_xxh3_64, "state": self.state,
             "created": self.created, "persistent": self.persistent,
+            "replica_nodes": [list(r) for r in self.replica_nodes],
         }
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         return json.dumps({"body": body, "body_xxh3_64": digest_bytes(canonical)}, indent=1).encode()
@@ -106,6 +117,7 @@ class TierManifest:
                 index_files=tuple(_text(n) for n in body["index_files"]),
                 index_xxh3_64=_text(body["index_xxh3_64"]), state=_text(body["state"]),
                 created=float(body["created"]), persistent=bool(body["persistent"]),
+                replica_nodes=tuple(tuple(int(n) for n in r) for r in body["replica_nodes"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpointError(f"{where}: tiers manifest field missing or malformed: {e}") from None
@@ -131,4 +143,7 @@ def _check(m: TierManifest, where: str) -> None:
     for name in m.index_files:
         if "/" in name or name in ("", ".", ".."):
             raise CorruptCheckpointError(f"{where}: index file {name!r} is not a plain name")
+    if m.replica_nodes and (len(m.replica_nodes) != len(m.nodes) or any(
+            n in r or not all(0 <= x < len(m.nodes) for x in r) for n, r in enumerate(m.replica_nodes))):
+        raise CorruptCheckpointError(f"{where}: replica nodes {m.replica_nodes} do not fit {len(m.nodes)} nodes")
 

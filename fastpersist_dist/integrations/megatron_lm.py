@@ -20,6 +20,11 @@ fully-parallel load wrapper,
 or, without editing the launcher::
 
     torchrun --nproc-per-node 8 -m fastpersist_dist.megatron_lm pretrain_gpt.py <its arguments>
+
+The runner also takes Megatron-LM's flags for node-local checkpoints
+(``--non-persistent-ckpt-type local``, ``--non-persistent-local-ckpt-dir``,
+``--replication``, ``--replication-factor``) and gives them to a tiered save
+(:func:`translate_local_flags`, docs/tiers.md) instead of nvidia-resiliency-ext.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import logging
 import os
 import runpy
 import sys
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Optional
 
@@ -36,6 +42,7 @@ from .. import compat
 from ..compat import seams
 from ..strategies.fastpersist_load import FastPersistLoadStrategy
 from ..strategies.fastpersist_save import FastPersistSaveStrategy
+from ..util.config import TierConfig
 from ..util.errors import FastPersistError
 
 logger = logging.getLogger(__name__)
@@ -44,6 +51,81 @@ FRAMEWORK = "Megatron-LM"
 TRAINING_MODULE = "megatron.training.checkpointing"
 ASYNC_FLAG = "--async-save"  # Megatron-LM's flag for asynchronous checkpoints
 USAGE = "usage: python -m fastpersist_dist.megatron_lm SCRIPT [ARGS...]  (e.g. pretrain_gpt.py and its arguments)"
+
+
+# Megatron-LM's flags for its node-local (nvidia-resiliency-ext) checkpoints, which a tiered save takes over
+TYPE_FLAG, LOCAL_DIR_FLAG = "--non-persistent-ckpt-type", "--non-persistent-local-ckpt-dir"
+REPLICATION_FLAG, FACTOR_FLAG = "--replication", "--replication-factor"
+DROPPED_FLAGS = ("--replication-jump", "--non-persistent-local-ckpt-algo")  # no meaning here: replica nodes are
+# chosen across failure domains (FASTPERSIST_FAILURE_DOMAIN), and every save is ours
+GLOBAL_DIR_FLAG, SAVE_FLAG = "--non-persistent-global-ckpt-dir", "--save"
+NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's default home of non-persistent checkpoints, under --save
+DEFAULT_FACTOR = 2  # Megatron-LM's --replication-factor: the machines holding a rank's data, its own included
+
+
+@dataclass(frozen=True)
+class LocalCheckpointFlags:
+    """Megatron-LM's arguments with its local-checkpoint flags translated, and the tiers they ask for."""
+
+    argv: list[str]
+    tiers: Optional[TierConfig]  # None: no local checkpoints asked for
+
+
+def translate_local_flags(argv: list[str]) -> LocalCheckpointFlags:
+    """Megatron-LM's node-local checkpoint flags onto a tiered save. Pure.
+
+    ``--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir DIR``:
+    every checkpoint is written to ``DIR`` on each node first. ``--replication
+    --replication-factor F``: ``F - 1`` other nodes keep replicas. Megatron-LM's
+    non-persistent checkpoints (``--non-persistent-save-interval``) become its
+    ``global`` ones, under ``--non-persistent-global-ckpt-dir`` (default
+    ``SAVE/non_persistent``), which stay local (replicated, never copied to the
+    persistent tier); its persistent ones (``--save-interval``) are copied to
+    ``--save`` in the background. Other arguments pass unchanged.
+    """
+    values: dict[str, Optional[str]] = {}
+    rest: list[str] = []
+    takes_value = (TYPE_FLAG, LOCAL_DIR_FLAG, FACTOR_FLAG, *DROPPED_FLAGS)
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in takes_value:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise FastPersistError(f"Megatron-LM's {flag} needs a value")
+                value, i = argv[i + 1], i + 1
+            values[flag] = value
+        elif flag == REPLICATION_FLAG and not eq:
+            values[flag] = None
+        else:
+            rest.append(argv[i])
+        i += 1
+    if values.get(TYPE_FLAG) != "local":
+        return LocalCheckpointFlags(list(argv), None)  # no local checkpoints: Megatron-LM's arguments as they were
+    local_dir = values.get(LOCAL_DIR_FLAG)
+    if not local_dir:
+        raise FastPersistError(f"{TYPE_FLAG} local needs {LOCAL_DIR_FLAG} DIR: the node-local directory, the same "
+                               "path on every node")
+    factor = int(values.get(FACTOR_FLAG) or DEFAULT_FACTOR) if REPLICATION_FLAG in values else 1
+    if factor < 1:
+        raise FastPersistError(f"{FACTOR_FLAG} {factor}: it counts the machines holding a rank's data, at least 1")
+    non_persistent = _value(rest, GLOBAL_DIR_FLAG)
+    if non_persistent is None:
+        save = _value(rest, SAVE_FLAG)
+        non_persistent = os.path.join(save, NON_PERSISTENT_SUBDIR) if save else None
+    tiers = TierConfig(os.path.abspath(local_dir), replicas=factor - 1, local_only_under=non_persistent)
+    return LocalCheckpointFlags([*rest, TYPE_FLAG, "global"], tiers)
+
+
+def _value(argv: list[str], flag: str) -> Optional[str]:
+    """The value of ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``; the last one), None without it."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            found = arg[len(flag) + 1:]
+    return found
 
 
 def _training_module() -> ModuleType:
@@ -98,7 +180,8 @@ def disable() -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``python -m fastpersist_dist.megatron_lm SCRIPT ARGS``: enable, then run SCRIPT as ``python SCRIPT ARGS`` would."""
+    """``python -m fastpersist_dist.megatron_lm SCRIPT ARGS``: enable (Megatron-LM's local-checkpoint flags
+    translated), then run SCRIPT as ``python SCRIPT ARGS`` would."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -106,7 +189,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     script = argv[0]
     if not os.path.isfile(script):
         raise SystemExit(f"fastpersist_dist.megatron_lm: no such script: {script}\n{USAGE}")
-    sys.argv = list(argv)
+    flags = translate_local_flags(argv[1:])
+    sys.argv = [script, *flags.argv]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as for `python SCRIPT` (a Megatron-LM checkout's
-    enable()                                                  # pretrain_gpt.py: its megatron.training imports)
+    if flags.tiers is not None:                               # pretrain_gpt.py: its megatron.training imports)
+        (logger.info if os.environ.get("RANK", "0") == "0" else logger.debug)(
+            "fastpersist: Megatron-LM's local checkpoints go to %s on each node with %d replicas; persistent ones "
+            "are then copied to --save, non-persistent ones (under %s) stay local", flags.tiers.local_dir,
+            flags.tiers.replicas, flags.tiers.local_only_under)
+    enable(tiers=flags.tiers)
     runpy.run_path(script, run_name="__main__")

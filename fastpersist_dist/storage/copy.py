@@ -1,73 +1,243 @@
-"""Copying a data file to another tier, every byte checked against its records' checksums on the way.
+"""Moving a data file between tiers, every byte checked against its records' checksums on the way.
 
-A tiered checkpoint moves from the node-local tier to the persistent one as
-files (``engine/tiers.py``). The copy reads the source in chunks of whole
-checksum blocks, checks each block against the index before it is written, and
-makes the destination appear whole or not at all (a temporary name, fsync,
-rename, fsync of the directory): a byte that rotted in the local tier, or a
-short read, never reaches the persistent tier, and a reader there never sees a
-half-copied file.
+A tiered checkpoint moves as files: from a node's local tier to the
+persistent one, to other nodes' local tiers (replicas), and back from object
+storage into a local tier for a load (``engine/tier_*.py``). Whatever carries
+the bytes, they go in chunks of whole checksum blocks (:func:`chunk_plan`), and
+each block is checked against the index (:func:`check_chunk`) before it is
+passed on: a byte that rotted in the source, or one damaged in transit, never
+reaches the destination, and the error names the file, the byte offset and
+the record. A destination file appears whole or not at all (a temporary name,
+fsync, rename, fsync of the directory).
+
+:class:`CheckedFile` is the same for a reader that pulls the bytes itself (an
+object-store client uploading a file): a seekable read-only file whose reads
+return checked bytes only.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import time
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from ..format.checksum import digest_bytes
 from ..format.records import ShardRecord
 from ..util.errors import CorruptCheckpointError, FastPersistError
 from .files import TMP_SUFFIX, fsync_path, unlink_quietly
 
-CHUNK_BYTES = 64 << 20  # read and written per call (a whole number of checksum blocks)
+CHUNK_BYTES = 64 << 20  # moved per step (a whole number of checksum blocks, at least one)
 
 
-def copy_checked(src: str, dst: str, records: list[ShardRecord], block_bytes: int, size: int, who: str) -> float:
-    """Copy data file ``src`` (``size`` bytes, holding ``records`` back to back) to ``dst``; the seconds it took.
+@dataclass(frozen=True)
+class Span:
+    """One checksum block of a data file: bytes [start, end) of the file, block ``block`` of ``record``."""
 
-    Raises ``CorruptCheckpointError`` naming the file, offset and record of
-    the first block that does not match its checksum, ``FastPersistError`` on
-    any other failure; ``dst`` is then left as it was.
+    start: int
+    end: int
+    record: ShardRecord
+    block: int
+
+
+def block_spans(records: list[ShardRecord], block_bytes: int, size: int, where: str) -> list[Span]:
+    """Every checksum block of a data file of ``size`` bytes in file order (``where``: the file, for errors).
+
+    Raises ``CorruptCheckpointError`` where the records do not cover the file
+    back to back or lack a block's checksum.
+    """
+    records = sorted(records, key=lambda r: r.offset)
+    if sum(r.length for r in records) != size or any(a.offset + a.length != b.offset
+                                                     for a, b in zip(records, records[1:])) or (
+            records and records[0].offset != 0):
+        raise CorruptCheckpointError(f"{where}: the records of the index do not cover its {size} bytes back to back")
+    spans = []
+    for r in records:
+        blocks = -(-r.length // block_bytes)
+        if len(r.checksums) != blocks:
+            raise CorruptCheckpointError(f"{where}: {r.describe()} has {len(r.checksums)} checksums for {blocks} "
+                                         "blocks")
+        spans += [Span(r.offset + b * block_bytes, r.offset + min(r.length, (b + 1) * block_bytes), r, b)
+                  for b in range(blocks)]
+    return spans
+
+
+def chunk_plan(spans: list[Span], chunk_bytes: int = CHUNK_BYTES) -> list[list[Span]]:
+    """``spans`` grouped into runs of at most ``chunk_bytes`` (at least one span each): what moves per step.
+
+    Both ends of a transfer derive the same plan from the same index.
+    """
+    chunks: list[list[Span]] = []
+    for s in spans:
+        if chunks and s.end - chunks[-1][0].start <= chunk_bytes:
+            chunks[-1].append(s)
+        else:
+            chunks.append([s])
+    return chunks
+
+
+def check_chunk(data: bytes | memoryview, chunk: list[Span], where: str, who: str) -> None:
+    """Every block of ``data`` (the bytes of ``chunk``) against its checksum; raises naming the first bad one."""
+    view = memoryview(data)
+    base = chunk[0].start
+    if len(view) != chunk[-1].end - base:
+        raise CorruptCheckpointError(f"{who}: {where}: {len(view)} bytes where bytes {base}..{chunk[-1].end} "
+                                     "were expected (a short read)")
+    for s in chunk:
+        if digest_bytes(view[s.start - base : s.end - base]) != s.record.checksums[s.block]:
+            raise CorruptCheckpointError(
+                f"{who}: checksum mismatch in {where} at byte offset {s.start} (block {s.block} of "
+                f"{s.record.describe()}): this copy is damaged, it was not copied on")
+
+
+def read_chunk(fd: int, chunk: list[Span], where: str, who: str) -> bytes:
+    """The bytes of ``chunk`` read from ``fd`` (not checked: see :func:`check_chunk`)."""
+    want = chunk[-1].end - chunk[0].start
+    data = os.pread(fd, want, chunk[0].start)
+    if len(data) != want:
+        raise CorruptCheckpointError(f"{who}: short read of {where} at byte {chunk[0].start + len(data)}")
+    return data
+
+
+class AtomicFile:
+    """A file written under a temporary name and renamed into place only by :meth:`commit` (fsynced)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._tmp = f"{path}.{os.getpid()}{TMP_SUFFIX}"  # several processes of a node may fetch one file
+        self._file: Optional[io.FileIO] = open(self._tmp, "wb", buffering=0)
+
+    def write(self, data: bytes | memoryview) -> None:
+        assert self._file is not None
+        view = memoryview(data)
+        while view:
+            view = view[self._file.write(view):]
+
+    def commit(self) -> None:
+        assert self._file is not None
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        os.replace(self._tmp, self.path)
+        self._tmp = ""
+        fsync_path(os.path.dirname(self.path) or ".")
+
+    def abandon(self) -> None:
+        """Remove the temporary file (after a failure): the destination stays as it was."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tmp:
+            unlink_quietly(self._tmp)
+
+
+def receive_checked(chunks: list[list[Span]], next_chunk: Callable[[list[Span]], bytes | memoryview], dst: str,
+                    where: str, who: str) -> float:
+    """Write ``dst`` from ``next_chunk(chunk)`` for each chunk in order, each checked first; the seconds it took.
+
+    ``where`` names the source in errors. Raises ``CorruptCheckpointError`` at
+    the first damaged block, ``FastPersistError`` on any other failure; ``dst``
+    is then left as it was.
     """
     start = time.perf_counter()
-    records = sorted(records, key=lambda r: r.offset)
-    covered = sum(r.length for r in records)
-    if covered != size or any(a.offset + a.length != b.offset for a, b in zip(records, records[1:])):
-        raise CorruptCheckpointError(f"{who}: the records of {src} do not cover its {size} bytes back to back")
-    tmp = f"{dst}{TMP_SUFFIX}"
-    step = max(1, CHUNK_BYTES // block_bytes) * block_bytes
+    out = None
     try:
-        with open(src, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
-            if os.fstat(fin.fileno()).st_size != size:
-                raise CorruptCheckpointError(f"{who}: {src} has {os.fstat(fin.fileno()).st_size} bytes, "
-                                             f"the index says {size}")
-            for record in records:
-                for rel in range(0, record.length, step):
-                    want = min(step, record.length - rel)
-                    data = os.pread(fin.fileno(), want, record.offset + rel)
-                    if len(data) != want:
-                        raise CorruptCheckpointError(f"{who}: short read of {src} at byte {record.offset + rel}")
-                    _check(data, record, rel, block_bytes, src, who)
-                    view = memoryview(data)
-                    while view:
-                        view = view[fout.write(view):]
-            os.fsync(fout.fileno())
-        os.replace(tmp, dst)
+        out = AtomicFile(dst)
+        for chunk in chunks:
+            data = next_chunk(chunk)
+            check_chunk(data, chunk, where, who)
+            out.write(data)
+        out.commit()
     except CorruptCheckpointError:
-        unlink_quietly(tmp)
+        if out is not None:
+            out.abandon()
         raise
-    except OSError as e:
-        unlink_quietly(tmp)
-        raise FastPersistError(f"{who}: copying {src} to {dst} failed: {type(e).__name__}: {e}") from e
-    fsync_path(os.path.dirname(dst) or ".")
+    except Exception as e:
+        if out is not None:
+            out.abandon()
+        if isinstance(e, FastPersistError):
+            raise
+        raise FastPersistError(f"{who}: copying {where} to {dst} failed: {type(e).__name__}: {e}") from e
     return time.perf_counter() - start
 
 
-def _check(data: bytes, record: ShardRecord, rel: int, block_bytes: int, src: str, who: str) -> None:
-    """Every block of ``data`` (bytes ``rel`` on of ``record``) against its checksum."""
-    for start in range(0, len(data), block_bytes):
-        block = (rel + start) // block_bytes
-        if digest_bytes(data[start : start + block_bytes]) != record.checksums[block]:
-            raise CorruptCheckpointError(
-                f"{who}: checksum mismatch in {src} at byte offset {record.offset + rel + start} (block {block} of "
-                f"{record.describe()}): this copy is damaged, it was not copied on")
+def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str) -> float:
+    """Copy data file ``src`` (``size`` bytes, ``spans`` its blocks: :func:`block_spans`) to ``dst``; the seconds
+    it took."""
+    try:
+        fd = os.open(src, os.O_RDONLY)
+    except FileNotFoundError:
+        raise FastPersistError(f"{who}: {src} is missing") from None
+    except OSError as e:
+        raise FastPersistError(f"{who}: cannot open {src}: {e}") from e
+    try:
+        if os.fstat(fd).st_size != size:
+            raise CorruptCheckpointError(f"{who}: {src} has {os.fstat(fd).st_size} bytes, the index says {size}")
+        return receive_checked(chunk_plan(spans), lambda chunk: read_chunk(fd, chunk, src, who), dst, src, who)
+    finally:
+        os.close(fd)
+
+
+class CheckedFile(io.RawIOBase):
+    """A local data file, read-only and seekable, whose reads return only bytes checked against the index.
+
+    For clients that pull a file's bytes themselves (an object store's upload):
+    each checksum block a read touches is read whole and checked once; the
+    last one is kept, so sequential reads of any size read every byte once.
+    """
+
+    def __init__(self, path: str, spans: list[Span], size: int, who: str):
+        super().__init__()
+        self.path, self._spans, self._size, self._who = path, spans, size, who
+        self._fd = os.open(path, os.O_RDONLY)
+        if os.fstat(self._fd).st_size != size:
+            actual = os.fstat(self._fd).st_size
+            os.close(self._fd)
+            raise CorruptCheckpointError(f"{who}: {path} has {actual} bytes, the index says {size}")
+        self._pos = 0
+        self._held: tuple[int, bytes] = (-1, b"")  # (span index, its checked bytes)
+        self._starts = [s.start for s in spans]
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        out = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(out) and self._pos < self._size:
+            i = self._span_at(self._pos)
+            span, data = self._spans[i], self._checked(i)
+            piece = data[self._pos - span.start : self._pos - span.start + len(out) - done]
+            out[done : done + len(piece)] = piece
+            done += len(piece)
+            self._pos += len(piece)
+        return done
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+    def _span_at(self, pos: int) -> int:
+        return bisect_right(self._starts, pos) - 1
+
+    def _checked(self, i: int) -> bytes:
+        if self._held[0] != i:
+            chunk = [self._spans[i]]
+            data = read_chunk(self._fd, chunk, self.path, self._who)
+            check_chunk(data, chunk, self.path, self._who)
+            self._held = (i, data)
+        return self._held[1]

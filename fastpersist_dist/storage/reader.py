@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -41,16 +41,23 @@ class ShardReader:
     nearest first; ``missing`` says why a file has none): a copy that is
     missing, of another size, or whose bytes fail their checksums is left, with
     a warning, for the next one, and the read is done again from there.
+    ``fetch``: (a copy that is not a local directory, the local directory its
+    files are fetched into, the function fetching one there and returning its
+    path): such a copy's file is fetched when first opened.
     """
 
     def __init__(self, checkpoint_dir: str, index: CheckpointIndex, verify: bool, who: str,
-                 copies: Optional[dict[str, tuple[str, ...]]] = None, missing: Optional[dict[str, str]] = None):
+                 copies: Optional[dict[str, tuple[str, ...]]] = None, missing: Optional[dict[str, str]] = None,
+                 fetch: Optional[tuple[str, str, Callable[[str], str]]] = None):
         self.dir = checkpoint_dir
         self.index = index
         self.verify = verify
         self.who = who  # e.g. "rank 3": starts every error message
         self._copies = copies
         self._missing = missing or {}
+        self._fetch = fetch
+        self._fetched: set[str] = set()
+        self._fetching = threading.Lock()
         self._choice: dict[str, int] = {}  # data file -> the copy in use (index into its copies)
         self._fds: dict[str, int] = {}
         self._dropped: list[int] = []  # descriptors of copies left: another read thread may still use one
@@ -72,7 +79,10 @@ class ShardReader:
         """The path of the copy of data file ``name`` that reads use now."""
         copies = self.copies_of(name)
         choice = self._choice.get(name, 0)
-        return os.path.join(copies[choice] if choice < len(copies) else self.dir, name)
+        where = copies[choice] if choice < len(copies) else self.dir
+        if self._fetch is not None and where == self._fetch[0]:
+            where = self._fetch[1]
+        return os.path.join(where, name)
 
     def next_copy(self, name: str, why: str) -> bool:
         """Leave the copy of ``name`` in use (``why``: what is wrong with it) for the next one; whether there is one.
@@ -126,6 +136,12 @@ class ShardReader:
 
     def _open(self, name: str) -> int:
         """A descriptor of the copy of ``name`` in use, its size checked against the index."""
+        copies, choice = self.copies_of(name), self._choice.get(name, 0)
+        if self._fetch is not None and choice < len(copies) and copies[choice] == self._fetch[0]:
+            with self._fetching:
+                if name not in self._fetched:
+                    self._fetch[2](name)
+                    self._fetched.add(name)
         path = self.path(name)
         try:
             fd = os.open(path, os.O_RDONLY)

@@ -99,6 +99,22 @@ def mounted_filesystem(path: str) -> Optional[tuple[str, str]]:
         return None
 
 
+# Filesystems whose files are memory: O_DIRECT there is a copy like any other, and plain
+# reads and writes straight from and into the tensors save the bounce through the locked buffer.
+IN_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def filesystem_type(path: str) -> Optional[str]:
+    """Type of the filesystem holding ``path`` (see :func:`mounted_filesystem`), or None if unknown."""
+    found = mounted_filesystem(path)
+    return None if found is None else found[0]
+
+
+def on_memory_filesystem(path: str) -> bool:
+    """Whether ``path`` is on an in-memory filesystem (tmpfs), where a read or a write is a memory copy."""
+    return filesystem_type(path) in IN_MEMORY_FILESYSTEMS
+
+
 def view_of(path: str) -> Optional[DirView]:
     """This process's view of directory ``path``, or None where it cannot be seen (missing)."""
     real = os.path.realpath(path)

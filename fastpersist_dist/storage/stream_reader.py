@@ -33,7 +33,7 @@ from ..util.errors import FastPersistError
 from .deepspeed_ops import AioResources
 from .host_copy import copies_on_this_thread
 from .reader import MAX_READ_GAP, ShardReader, halves, split_axis
-from .shared_dir import mounted_filesystem
+from .shared_dir import on_memory_filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -245,22 +245,6 @@ def _copy_out(read: BoxRead, slot: torch.Tensor, slot_lo: int) -> None:
     if start % size:  # elements not aligned in the file (after an odd-length object record)
         raw = raw.clone()
     read.dest.copy_(torch.as_strided(raw.view(dtype), read.sub_shape, strides))
-
-
-# Filesystems whose files are memory: O_DIRECT there is a copy like any other, and a plain
-# pread straight into the destination saves the bounce through the locked buffer.
-IN_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
-
-
-def filesystem_type(path: str) -> Optional[str]:
-    """Type of the filesystem holding ``path`` (see :func:`shared_dir.mounted_filesystem`), or None if unknown."""
-    found = mounted_filesystem(path)
-    return None if found is None else found[0]
-
-
-def on_memory_filesystem(path: str) -> bool:
-    """Whether ``path`` is on an in-memory filesystem (tmpfs), where a read is a memory copy."""
-    return filesystem_type(path) in IN_MEMORY_FILESYSTEMS
 
 
 def open_stream(reader: ShardReader, aio: Callable[[], AioResources], direct_io: str) -> Optional[StreamReader]:

@@ -4,7 +4,10 @@ The fast path is DeepSpeed's ``FastFileWriter`` (O_DIRECT + libaio through a
 page-locked double bounce buffer). Its traps are handled here: it opens without
 ``O_TRUNC`` (we unlink first), it reports failed aio writes nowhere (we check
 the file size after the final fsync), and some filesystems refuse O_DIRECT (we
-fall back, once warned, to a buffered writer producing identical bytes). The
+fall back, once warned, to a buffered writer producing identical bytes). On
+an in-memory filesystem (tmpfs: ``/dev/shm`` as a local tier) O_DIRECT is a
+memory copy like any other and the bounce one more, so writes go straight from
+the tensors' bytes into the file with plain ``write`` there. The
 checksums are computed on a second thread from the caller's bytes while those
 bytes are copied and written, and the bounce-buffer copies run on one thread.
 Records whose elements are not contiguous host memory (accelerator tensors,
@@ -41,6 +44,7 @@ from ..util.timing import Phases
 from .deepspeed_ops import LockedMemoryError, aio_available, aio_module, aio_resources, ensure_fast_file_writer_usable
 from .host_copy import copies_on_this_thread, copy_to_host
 from .host_staging import Ring, staging_block
+from .shared_dir import on_memory_filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,11 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 # memory. Was: the whole share copied before the first byte went out (a GPU rank's share in
 # pageable host memory at once).
 HOST_COPY_BYTES = 256 * MiB
+# Buffered writes where a rank has under two cores: each piece is hashed right after its write,
+# on the same thread, while its bytes are still in the CPU's caches. A checksum thread beside the
+# writes then only competes for the cores and reads the bytes from memory a second time: 2 ranks
+# writing 0.5 GiB each to tmpfs on 2 cores took 0.230 s that way, 0.215 s with 4 MiB pieces inline.
+INLINE_PIECE_BYTES = 4 * MiB
 _warned: set[object] = set()
 
 
@@ -149,8 +158,8 @@ def prepare_direct_writes(cfg: WriteConfig) -> None:
 
 
 def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
-    if cfg.direct_io == "off":
-        return _BufferedSink(path)
+    if cfg.direct_io == "off" or (cfg.direct_io == "auto" and on_memory_filesystem(os.path.dirname(path) or ".")):
+        return _BufferedSink(path)  # on tmpfs: one copy from the tensors into the files' pages, no bounce
     try:
         aio_module()
     except RuntimeError as e:
@@ -399,23 +408,34 @@ def _stream(
     staged = [d for d in (item.data for item in items) if needs_host_copy(d) and d.nbytes <= HOST_COPY_BYTES]
     on_device = any(d.device.type != "cpu" for d in staged)
     staging = staging_block(HOST_COPY_BYTES, pinned=on_device) if staged else nullcontext()
+    inline = sink.mode == MODE_BUFFERED and _cores_per_local_rank() < 2
     # The block is given up last: after the checksum thread has finished with it, whatever happened.
     with staging as host_block, copies_on_this_thread(), \
             ThreadPoolExecutor(1, thread_name_prefix="fastpersist-checksum") as checksummer:
-        ahead = _HostBytesAhead(items, lambda item, data: checksummer.submit(_checksums, item, data, block, chunk),
-                                HOST_COPY_BYTES, host_block)
+        checksum = _hashed_inline if inline else \
+            (lambda item, data: checksummer.submit(_checksums, item, data, block, chunk))
+        ahead = _HostBytesAhead(items, checksum, HOST_COPY_BYTES, host_block)
+        inline_digests: list[list[str]] = []
         try:
             for i, item in enumerate(items):
                 where = f"writing {item.record.describe()}"
-                for piece in _pieces(item, ahead.get(i), chunk):
-                    sink.write(piece)
+                if inline:
+                    hasher = BlockHasher(block)
+                    for piece in _pieces(item, ahead.get(i), INLINE_PIECE_BYTES):
+                        sink.write(piece)
+                        hasher.update(piece.numpy())  # the bytes just written, still in the CPU's caches
+                    inline_digests.append(hasher.finish())
+                else:
+                    for piece in _pieces(item, ahead.get(i), chunk):
+                        sink.write(piece)
                 shown.add(item.record.length)
-            phases.mark("copy+aio")
+            phases.mark("copy+aio" if not inline else "write+checksum")
             where = "flushing and fsyncing"
             sink.close()
             phases.mark("flush+fsync")
             where = "checksumming"
-            out = [with_checksums(item.record, d.result()) for item, d in zip(items, ahead.digests)]
+            digests = inline_digests if inline else [d.result() for d in ahead.digests]
+            out = [with_checksums(item.record, d) for item, d in zip(items, digests)]
             phases.mark("checksum wait")
         except Exception as e:
             checksummer.shutdown(cancel_futures=True)
@@ -426,6 +446,18 @@ def _stream(
                     logger.debug("closing %s after a failed write also failed", path, exc_info=True)
             raise FastPersistError(f"rank {rank}: {where} in {path} failed: {type(e).__name__}: {e}") from e
     return out
+
+
+def _cores_per_local_rank() -> float:
+    """The cores this process may use, shared with the other ranks of its node (torchrun's LOCAL_WORLD_SIZE)."""
+    return len(os.sched_getaffinity(0)) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _hashed_inline(item: WriteItem, data: torch.Tensor) -> Future:
+    """The checksum of an item hashed by the write loop itself: nothing left to wait for here."""
+    done: Future = Future()
+    done.set_result(None)
+    return done
 
 
 def _checksums(item: WriteItem, data: torch.Tensor, block: int, chunk: int) -> list[str]:

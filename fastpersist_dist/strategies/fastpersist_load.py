@@ -21,6 +21,7 @@ from ..engine.load import LoadEngine, foreign_checkpoint
 from ..format.dcp_metadata import without_strides
 from ..format.kinds import BACKENDS
 from ..format.records import INDEX_FILE
+from ..storage.persistent import checkpoint_url
 from ..util.config import ReadConfig
 from ..util.errors import FastPersistError
 
@@ -89,7 +90,7 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
         ``async_strategy`` (passed by megatron-core 0.17+) matters only for
         checkpoints handed to megatron's stock loader.
         """
-        ckpt = str(checkpoint_dir)
+        ckpt = checkpoint_url(checkpoint_dir)
         if foreign_checkpoint(ckpt):
             logger.info("fastpersist: %s has no %s; loading it with megatron's torch_dist loader (no checksums)",
                         ckpt, INDEX_FILE)
@@ -98,12 +99,12 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
 
     def load_tensors_metadata(self, checkpoint_dir: Union[str, Path]) -> Any:
         """Global shape and dtype of every stored tensor, as data-less ShardedTensors (a paged index: no page read)."""
-        if foreign_checkpoint(str(checkpoint_dir)):
+        if foreign_checkpoint(checkpoint_url(checkpoint_dir)):
             return _StockMetadataReader().load_tensors_metadata(Path(checkpoint_dir))
-        return self._engine.tensors_metadata(str(checkpoint_dir))
+        return self._engine.tensors_metadata(checkpoint_url(checkpoint_dir))
 
     def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> Any:
         """Tensor metadata plus every stored ShardedObject, keyed by its unique key."""
-        if foreign_checkpoint(str(checkpoint_dir)):
+        if foreign_checkpoint(checkpoint_url(checkpoint_dir)):
             return _StockMetadataReader().load_sharded_metadata(Path(checkpoint_dir))
-        return self._engine.sharded_metadata(str(checkpoint_dir))
+        return self._engine.sharded_metadata(checkpoint_url(checkpoint_dir))

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from .. import compat
 from ..engine.commit import keep_committed_aux_files
 from ..engine.save import SaveEngine
-from ..engine.tiers import TieredSave
 from ..engine.staging import preprocessed
+from ..engine.tiers.save import TieredSave
 from ..format.kinds import checkpoint_format as checkpoint_format_named
+from ..storage.persistent import checkpoint_url, is_object_store
 from ..util.config import TierConfig, WriteConfig
 
 
@@ -52,9 +53,12 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
             node's own storage), committed there; the checkpoint is then copied
             to the ``checkpoint_dir`` given to ``save()`` in the background and
             committed there last (``fastpersist_dist.wait_durable``).
+        replicas: with ``local_dir``, how many other nodes also keep each
+            node's files in their local tiers (any one lost node recoverable).
         keep_local: with ``local_dir``, the checkpoints each node keeps there.
         persistent: with ``local_dir``, False saves local checkpoints only
             (never copied to the persistent tier).
+        tiers: a :class:`fastpersist_dist.TierConfig` instead of the four above.
     """
 
     def __init__(
@@ -64,8 +68,10 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         write_common_pt: bool = False,
         parallel_group: Optional[dist.ProcessGroup] = None,
         local_dir: Optional[str] = None,
+        replicas: int = TierConfig.replicas,
         keep_local: int = TierConfig.keep_local,
         persistent: bool = True,
+        tiers: Optional[TierConfig] = None,
         **knobs: Any,
     ):
         fmt = checkpoint_format_named(checkpoint_format or compat.DEFAULT_FORMAT)
@@ -74,7 +80,10 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
             raise ValueError("pass either config= or individual knobs, not both")
         self.config = config or WriteConfig(**knobs)
         self.checkpoint_format = fmt.name
-        self.tiers = TierConfig(local_dir, keep_local, persistent) if local_dir is not None else None
+        if tiers is not None and local_dir is not None:
+            raise ValueError("pass either tiers= or local_dir= (and its options), not both")
+        self.tiers = tiers or (TierConfig(local_dir, replicas, keep_local, persistent) if local_dir is not None
+                               else None)
         # megatron's load() reads the common state before any strategy: a tiered checkpoint's is in common.pt,
         # committed to the persistent directory with the local commit (its DCP files arrive there later)
         self.write_common_pt = write_common_pt or not fmt.dcp_readable or self.tiers is not None
@@ -108,7 +117,7 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
     def save(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> None:
         """Synchronous save: tensors are written from where they are, without a snapshot copy."""
         aux = self._aux_files(sharded_state_dict, checkpoint_dir)
-        self._engine.prepare(sharded_state_dict, str(checkpoint_dir), False, aux, tier=self._tier(checkpoint_dir)).run()
+        self._engine.prepare(sharded_state_dict, checkpoint_url(checkpoint_dir), False, aux, tier=self._tier(checkpoint_dir)).run()
 
     def async_save(
         self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path], async_strategy: Optional[str] = None,
@@ -121,13 +130,16 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         aux = self._aux_files(sharded_state_dict, checkpoint_dir)
         request, unavailable = _request_type(async_strategy)
         # A queue this rank cannot serve is refused on every rank by the plan exchange, before anything is touched.
-        job = self._engine.prepare(sharded_state_dict, str(checkpoint_dir), True, aux, refusal=unavailable,
+        job = self._engine.prepare(sharded_state_dict, checkpoint_url(checkpoint_dir), True, aux, refusal=unavailable,
                                    tier=self._tier(checkpoint_dir))
         return request(job.write, job.args, job.finalize)
 
     def _tier(self, checkpoint_dir: Union[str, Path]) -> Optional[TieredSave]:
         """Collective where tiered: this save's copies."""
-        return TieredSave.start(self.tiers, str(checkpoint_dir)) if self.tiers is not None else None
+        if self.tiers is None:
+            return None
+        url = checkpoint_url(checkpoint_dir)
+        return TieredSave.start(self.tiers.for_checkpoint(url), url)
 
     def _aux_files(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> dict[str, bytes]:
         """The files rank 0 commits beside the checkpoint (``common.pt``); a committed one there stays until then.
@@ -139,9 +151,9 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         agreement needs rank 0) leaves that checkpoint whole.
         """
         rank = dist.get_rank()
-        aux = compat.common_files(sharded_state_dict, str(checkpoint_dir), rank, self.write_common_pt)
-        if rank == 0:
-            keep_committed_aux_files(str(checkpoint_dir), "rank 0")
+        aux = compat.common_files(sharded_state_dict, checkpoint_url(checkpoint_dir), rank, self.write_common_pt)
+        if rank == 0 and not is_object_store(checkpoint_dir):
+            keep_committed_aux_files(checkpoint_url(checkpoint_dir), "rank 0")
         return aux
 
 

@@ -86,7 +86,8 @@ def bench_train(args: argparse.Namespace) -> int:
     """``bench-train``: a training loop with async checkpoints, ours against megatron's."""
     from .bench.training_loop import format_loop_table, run_checked
 
-    rep = run_checked(_bench_config(args), args.steps, args.every, args.contenders, args.compute_ms)
+    rep = run_checked(_bench_config(args), args.steps, args.every, args.contenders, args.compute_ms,
+                      args.local_dir, args.persistent)
     if rep is None:
         return 2
     print(format_loop_table(rep))

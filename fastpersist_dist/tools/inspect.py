@@ -5,6 +5,12 @@ huge checkpoint: which backend wrote it, whether it was committed, every tensor
 (dtype, global shape, shards, records, bytes), the bytes of each rank's data
 file and whether the small files committed beside the index (``common.pt``) are
 still the committed ones. No ``torch.distributed`` is needed.
+
+For a tiered checkpoint (saved with ``local_dir``) it also shows the tiers:
+its state (``local``, ``replicated``, ``durable``), its nodes and replicas,
+how many data files reached the persistent tier, and whether this machine's
+local tier holds a copy of it. A tiered checkpoint on an object store
+(``msc://``) shows its tiers only.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any, Optional
 from megatron.core.dist_checkpointing.core import maybe_load_config
 
 from ..engine.index_reader import check_markers, read_unchecked_index
+from ..engine.tiers.state import drained_files, pending_dir, read_manifest
 from ..format.index_pages import PART_FILE_RE
 from ..format.kinds import BACKENDS, BY_CONTAINER, DCP_METADATA_FILE
 from ..format.records import (
@@ -27,7 +34,9 @@ from ..format.records import (
     aux_copy_name,
     is_data_file,
 )
+from ..format.tiers import DURABLE, PENDING_DIR, TIERS_FILE, TierManifest, local_copy_dir
 from ..storage.files import file_digest
+from ..storage.persistent import PosixDir, is_object_store, persistent_dir
 from ..util.errors import FastPersistError, IncompleteCheckpointError
 from ..util.wording import counted
 
@@ -35,6 +44,7 @@ WHO = "inspect"
 NOT_COMMITTED = "NOT committed (incomplete checkpoint)"
 # InspectReport.index: what became of reading fastpersist_index.json.
 INDEX_COMMITTED, INDEX_MISSING, INDEX_INVALID = "committed", "missing", "invalid"
+INDEX_PENDING = "pending"  # a tiered checkpoint not durable yet: committed on the local tiers, its index in PENDING_DIR
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,22 @@ class AuxFileSummary:
     intact: bool  # present with the committed XXH3
 
 
+@dataclass(frozen=True)
+class TierSummary:
+    """A tiered checkpoint as its persistent home records it, and this machine's local copy of it."""
+
+    state: str
+    checkpoint_id: str
+    persistent: bool  # False: a local checkpoint only
+    local_dir: str
+    nodes: list[list[int]]  # node -> its ranks
+    replica_nodes: list[list[int]]  # node -> the nodes holding replicas of its files
+    data_files: int
+    drained: int  # data files copied to the persistent tier and checked
+    local_copy: str  # where this machine's local tier keeps the checkpoint
+    local_copy_state: str  # "this checkpoint", "none", or what else is there
+
+
 @dataclass
 class InspectReport:
     """Everything ``inspect`` shows; ``problems`` is empty for a committed, loadable checkpoint."""
@@ -75,12 +101,13 @@ class InspectReport:
     files: dict[str, int] = field(default_factory=dict)
     aux_files: list[AuxFileSummary] = field(default_factory=list)
     present_files: dict[str, int] = field(default_factory=dict)
+    tiers: Optional[TierSummary] = None
     problems: list[str] = field(default_factory=list)
 
     @property
     def committed(self) -> bool:
-        """True when the index is present and valid: the save finished."""
-        return self.index == INDEX_COMMITTED
+        """True when the index is present and valid: the save finished (on the local tiers, for a tiered one)."""
+        return self.index in (INDEX_COMMITTED, INDEX_PENDING)
 
     @property
     def ok(self) -> bool:
@@ -93,7 +120,10 @@ class InspectReport:
 
 
 def inspect_checkpoint(checkpoint_dir: str) -> InspectReport:
-    """Summarize ``checkpoint_dir``; raises FastPersistError only if it is not a readable directory."""
+    """Summarize ``checkpoint_dir``; raises FastPersistError only if it is not a readable directory (or, on an
+    object store, not a tiered checkpoint)."""
+    if is_object_store(checkpoint_dir):
+        return _inspect_object_store(checkpoint_dir)
     if not os.path.isdir(checkpoint_dir):
         raise FastPersistError(f"{checkpoint_dir} is not a directory")
     try:
@@ -102,8 +132,15 @@ def inspect_checkpoint(checkpoint_dir: str) -> InspectReport:
         raise FastPersistError(f"cannot list {checkpoint_dir}: {e}") from None
     report = InspectReport(checkpoint_dir, present_files=_our_files(checkpoint_dir, names))
     _read_metadata(report)
+    index_dir = checkpoint_dir
     try:
-        index = read_unchecked_index(checkpoint_dir, WHO)
+        report.tiers = tier_summary(checkpoint_dir)
+    except FastPersistError as e:
+        report.problems.append(str(e))
+    if report.tiers is not None and report.tiers.state != DURABLE:
+        index_dir = os.path.join(checkpoint_dir, PENDING_DIR)
+    try:
+        index = read_unchecked_index(index_dir, WHO)
     except IncompleteCheckpointError:
         report.problems.append(f"{checkpoint_dir}: {NOT_COMMITTED}: it has no {INDEX_FILE}")
         return report
@@ -111,7 +148,7 @@ def inspect_checkpoint(checkpoint_dir: str) -> InspectReport:
         report.index = INDEX_INVALID
         report.problems.append(str(e))
         return report
-    report.index = INDEX_COMMITTED
+    report.index = INDEX_COMMITTED if index_dir == checkpoint_dir else INDEX_PENDING
     report.format = BY_CONTAINER[index.container].name
     report.problems.extend(format_problems(report.backend, index))
     report.world_size = index.world_size
@@ -119,10 +156,62 @@ def inspect_checkpoint(checkpoint_dir: str) -> InspectReport:
     report.files = dict(sorted(index.files.items()))
     report.entries = _entries(index, report.problems)
     report.aux_files = [_aux_summary(checkpoint_dir, name, want) for name, want in sorted(index.aux_files.items())]
+    if report.index == INDEX_PENDING:  # its data files are on the local tiers; the aux files were checked above
+        report.problems.extend(f"{checkpoint_dir}/{a.name}: {_aux_state(a)}" for a in report.aux_files if not a.intact)
+        return report
     try:
         check_markers(checkpoint_dir, index, WHO)
     except FastPersistError as e:  # the index is committed, but a file beside it is not the committed one
         report.problems.append(str(e))
+    return report
+
+
+def tier_summary(checkpoint_dir: str) -> Optional[TierSummary]:
+    """The tiers of ``checkpoint_dir`` (a persistent home or a node's local copy); None where it is not tiered."""
+    home = persistent_dir(checkpoint_dir)
+    manifest = read_manifest(home)
+    if manifest is None:
+        return None
+    if home.url.rstrip("/") != manifest.checkpoint_dir.rstrip("/"):  # a node's local copy: ask its home too
+        try:
+            manifest = read_manifest(persistent_dir(manifest.checkpoint_dir)) or manifest
+        except FastPersistError:
+            pass  # the home is unreachable from here: the local copy's own record stands
+    local = local_copy_dir(manifest.local_dir, manifest.checkpoint_dir)
+    drained = len(manifest.files) if manifest.state == DURABLE else len(
+        drained_files(persistent_dir(manifest.checkpoint_dir), manifest))
+    return TierSummary(
+        state=manifest.state, checkpoint_id=manifest.checkpoint_id, persistent=manifest.persistent,
+        local_dir=manifest.local_dir, nodes=[list(n) for n in manifest.nodes],
+        replica_nodes=[list(r) for r in manifest.replica_nodes], data_files=len(manifest.files), drained=drained,
+        local_copy=local, local_copy_state=_local_copy_state(local, manifest))
+
+
+def _local_copy_state(local: str, manifest: TierManifest) -> str:
+    try:
+        there = read_manifest(PosixDir(local)) if os.path.isdir(local) else None
+    except FastPersistError as e:
+        return f"damaged ({e})"
+    if there is None:
+        return "none"
+    if there.checkpoint_id != manifest.checkpoint_id:
+        return f"another checkpoint (id {there.checkpoint_id}): not used"
+    files = sorted(f for f in manifest.files if os.path.exists(os.path.join(local, f)))
+    return f"this checkpoint: {counted(len(files), 'data file')} ({', '.join(files)})"
+
+
+def _inspect_object_store(checkpoint_dir: str) -> InspectReport:
+    report = InspectReport(checkpoint_dir)
+    report.tiers = tier_summary(checkpoint_dir)
+    if report.tiers is None:
+        raise FastPersistError(f"{checkpoint_dir} has no {TIERS_FILE}: on an object store inspect reads tiered "
+                               "checkpoints only")
+    durable = report.tiers.state == DURABLE
+    home = persistent_dir(checkpoint_dir)
+    names = (home if durable else pending_dir(home)).names()
+    report.index = (INDEX_COMMITTED if durable else INDEX_PENDING) if INDEX_FILE in names else INDEX_MISSING
+    if not report.committed:
+        report.problems.append(f"{checkpoint_dir}: {NOT_COMMITTED}: it has no {INDEX_FILE}")
     return report
 
 
@@ -218,21 +307,41 @@ def _aux_state(aux: AuxFileSummary) -> str:
     return f"{_size(aux.bytes)}: NOT the committed file (XXH3 {aux.xxh3})"
 
 
+def _tier_lines(t: TierSummary) -> list[str]:
+    """The tiers section of the text report."""
+    meaning = {"local": "each node's part on its own local tier", "replicated": "each node's part also on "
+               "its replica nodes", DURABLE: "committed on the persistent tier"}[t.state]
+    where = (f"{t.drained} of {t.data_files} data files on the persistent tier" if t.persistent
+             else "a local checkpoint only (persistent=False)")
+    lines = [f"tiers: {t.state} ({meaning}); checkpoint id {t.checkpoint_id}; {where}",
+             f"  local tier: {t.local_dir} on each of {counted(len(t.nodes), 'node')}"]
+    for node, ranks in enumerate(t.nodes):
+        replicas = f"; replicas on nodes {', '.join(map(str, t.replica_nodes[node]))}" if t.replica_nodes else ""
+        lines.append(f"  node {node}: ranks {', '.join(map(str, ranks))}{replicas}")
+    lines.append(f"  this machine's copy: {t.local_copy}: {t.local_copy_state}")
+    return lines
+
+
 def format_report(report: InspectReport) -> str:
     """The report as text for a terminal."""
     backend = "unknown" if report.backend is None else f"{report.backend} version {report.backend_version}"
     lines = [f"checkpoint: {report.directory}", f"backend: {backend} (metadata.json)"]
+    if report.tiers is not None:
+        lines.extend(_tier_lines(report.tiers))
     if not report.committed:
         state = NOT_COMMITTED if report.index == INDEX_MISSING else "INVALID or unreadable (see PROBLEM)"
         lines.append(f"index: {state}")
         lines.append("files present:" if report.present_files else "files present: none of ours")
         lines.extend(f"  {name}  {_size(size)}" for name, size in report.present_files.items())
+    elif report.format is None:  # a tiered checkpoint on an object store: its tiers only
+        lines.append(f"index: {'committed' if report.index == INDEX_COMMITTED else 'committed on the local tiers'}")
     else:
         files = ("torch DCP files (.metadata, __<rank>_0.distcp)" if report.format == "torch_dist"
                  else "FastPersist data files")
         lines.append(f"format: {report.format}: {files}, checksums in {INDEX_FILE}")
+        where = "committed" if report.index == INDEX_COMMITTED else f"committed on the local tiers ({PENDING_DIR})"
         lines.append(
-            f"index: committed; written by {report.world_size} ranks; checksums per "
+            f"index: {where}; written by {report.world_size} ranks; checksums per "
             f"{_size(report.checksum_block_bytes or 0)}"
         )
         tensors = [e for e in report.entries if e.kind == "tensor"]

@@ -69,7 +69,8 @@ def _listener() -> socket.socket:
 def join(rank: int, world: int, listener: socket.socket, backend: str, timeout: datetime.timedelta) -> None:
     """Join the process group whose store ``listener`` holds (rank 0 serves it, the others connect)."""
     port = listener.getsockname()[1]
-    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # as torchrun's: one machine
     if rank == 0:
         store = dist.TCPStore(HOST, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
                               master_listen_fd=listener.fileno())
@@ -201,6 +202,6 @@ def serve_store(world: int, timeout: float = 300) -> Iterator[dict[str, str]]:
                           wait_for_workers=False)
     try:
         yield {"MASTER_ADDR": HOST, "MASTER_PORT": str(store.port), "WORLD_SIZE": str(world),
-               "TORCHELASTIC_USE_AGENT_STORE": "True"}
+               "LOCAL_WORLD_SIZE": str(world), "TORCHELASTIC_USE_AGENT_STORE": "True"}
     finally:
         del store

@@ -9,7 +9,7 @@ these settings).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 MiB = 1 << 20
@@ -159,21 +159,52 @@ class TierConfig:
     local_dir: the local tier: a directory of the same path on every node, each
         node's own storage (an NVMe mount, or /dev/shm). Each rank writes its
         share there; the index is committed into every node's copy; the
-        checkpoint is then copied to the persistent tier (the directory given
-        to ``save()``) in the background, its index committed there last.
+        checkpoint is then copied to the persistent tier (the directory or
+        ``msc://`` URL given to ``save()``) in the background, its index
+        committed there last.
+    replicas: how many other nodes also keep each node's files in their local
+        tiers (copied over torch.distributed in the background, checked on
+        arrival; nodes of other failure domains first, ``FASTPERSIST_FAILURE_DOMAIN``).
+        With 1 or more, any one lost node is recoverable from the local tiers.
     keep_local: how many checkpoints each node keeps in its local tier; older
         local copies go once their checkpoint is durable (the newest durable
-        one's stays), never while a copy there is the only one.
+        one's stays), never while a copy there is the only one or a load reads it.
     persistent: copy each checkpoint to the persistent tier (default); False:
         local checkpoints only (Megatron-LM's non-persistent ones), never
         copied, kept as ``keep_local`` says even though not durable.
+    retry_s: how long a copy to the persistent tier that fails (the store
+        unreachable, the filesystem full) is tried again before the checkpoint
+        is left in the local tiers, reported.
+    local_only_under: checkpoints saved under this directory (or URL) are
+        local only, as with ``persistent=False``; the others are copied to the
+        persistent tier. Megatron-LM's non-persistent checkpoints go there
+        (``fastpersist_dist.megatron_lm``).
     """
 
     local_dir: str
+    replicas: int = 0
     keep_local: int = 2
     persistent: bool = True
+    retry_s: float = 900.0
+    local_only_under: Optional[str] = None
+
+    def for_checkpoint(self, checkpoint_dir: str) -> "TierConfig":
+        """The settings of one save into ``checkpoint_dir``: local only under ``local_only_under``."""
+        if self.local_only_under is None or not _is_under(checkpoint_dir, self.local_only_under):
+            return self
+        return replace(self, persistent=False)
 
     def __post_init__(self) -> None:
         if not self.local_dir or not os.path.isabs(self.local_dir):
             raise ValueError(f"local_dir must be an absolute path, the same on every node, got {self.local_dir!r}")
         _check_positive(self, "keep_local")
+        if self.replicas < 0 or self.retry_s < 0:
+            raise ValueError(f"replicas and retry_s must be >= 0, got {self.replicas} and {self.retry_s}")
+
+
+def _is_under(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or inside it (paths made absolute; URLs compared as written)."""
+    if "://" not in path and "://" not in root:
+        path, root = os.path.abspath(path), os.path.abspath(root)
+    path, root = path.rstrip("/"), root.rstrip("/")
+    return path == root or path.startswith(root + "/")

@@ -26,3 +26,7 @@ class PerProcess(Generic[T]):
         if pid not in self._by_pid:
             self._by_pid[pid] = self._factory()
         return self._by_pid[pid]
+
+    def made(self) -> bool:
+        """Whether this process's instance exists (without making it)."""
+        return os.getpid() in self._by_pid

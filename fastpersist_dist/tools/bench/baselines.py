@@ -41,6 +41,7 @@ from ...util.config import WriteConfig
 
 SHIM_NOTE = "torch_dist ran with torch.cuda.synchronize/current_device stubbed (CPU-only torch)"
 DEVICE_BOUND = "device_bound"
+NVRX_ALGO = "atomic"  # what nvidia-resiliency-ext's local checkpoints can do on a host (see _nvrx_local_save)
 CHECKSUMMED_BOUND = "device_bound_checksummed"
 
 
@@ -143,6 +144,27 @@ def _fastpersist_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
 def _unshared_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
     """Our loader with ``share_reads="off"``: every rank reads all it needs itself."""
     return dist_checkpointing.load(template, ckpt, sharded_strategy=FastPersistLoadStrategy(share_reads="off"))
+
+
+def _nvrx_local_save(sd: dict, ckpt: str, _: WriteConfig) -> None:
+    """nvidia-resiliency-ext's local checkpoint manager (Megatron-LM's ``--non-persistent-ckpt-type local``),
+    synchronous, each rank its own file under ``ckpt``. Its "atomic" algorithm: on a host its "fully_parallel"
+    one loads through megatron's tensor exchange, which moves tensors to CUDA, and its async save synchronizes
+    CUDA, so each rank writes all it holds, replicas included."""
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+
+    state, _ = MCoreTensorAwareStateDict.from_state_dict(sd, algo=NVRX_ALGO)
+    LocalCheckpointManager(ckpt).save(state, 1)
+
+
+def _nvrx_local_load(template: dict, ckpt: str, _: WriteConfig) -> dict:
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+
+    manager = LocalCheckpointManager(ckpt)
+    manager.find_latest()
+    state, _ = manager.load()
+    return state.to_state_dict(template, algo=NVRX_ALGO)
 
 
 def _torch_save_file(ckpt: str) -> str:
@@ -279,6 +301,9 @@ CONTENDERS: dict[str, Contender] = {
     "torch_dist_fully_parallel": Contender(_fully_parallel_save, _megatron_load, True,
                                            "megatron FullyParallelSaveStrategyWrapper(torch_dist)"),
     "torch_save": Contender(_torch_save, _torch_load, False, "torch.save of each rank's main replicas + fsync"),
+    "nvrx_local": Contender(_nvrx_local_save, _nvrx_local_load, False,
+                            f"nvidia-resiliency-ext's LocalCheckpointManager, {NVRX_ALGO!r} algorithm (needs "
+                            "nvidia_resiliency_ext importable)"),
 }
 # The table's rows when none are named, in order (fastpersist_dist_cli checks arguments against its own copy of
 # these names before importing this package; tests/test_cli_startup.py keeps the two equal).

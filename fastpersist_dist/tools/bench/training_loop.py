@@ -23,15 +23,25 @@ Beside them, in the same run, the copy floor of our call: every rank copying
 as many bytes as its data file holds (its snapshot and a few KiB of framing)
 from its state's device into mapped shared memory (page-locked for a GPU) at
 the same instant, the least that a call which copies the state can block.
+
+A tiered contender (``fastpersist_tiered``: ``local_dir``, the persistent
+tier the bench directory or ``persistent``, a directory or ``msc://`` URL)
+also reports the time from the call until each checkpoint is durable on the
+persistent tier (polled after every step), and, on its last repetition, a
+restart: the last checkpoint loaded from the local tier, then, its local copy
+removed, from the persistent tier, beside the local tier's read bound
+(the device bound's reads of as many bytes per rank).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import statistics
 import sys
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional
@@ -43,13 +53,29 @@ from megatron.core import dist_checkpointing
 from ... import compat
 from ...engine.async_queue import AsyncSaveQueue
 from ...engine.directory import prepare_checkpoint_dir
+from ...engine.tiers.state import checkpoint_state, wait_durable
 from ...engine.writer_process import writer_client
+from ...format.tiers import DURABLE, local_copy_dir
 from ...storage.host_copy import copy_to_host
+from ...storage.persistent import is_object_store
 from ...storage.shared_memory import SharedBuffer
+from ...strategies.fastpersist_load import FastPersistLoadStrategy
 from ...strategies.fastpersist_save import FastPersistSaveStrategy
-from .baselines import SHIM_NOTE, torch_dist_cpu_shims
+from ...util.config import TierConfig
+from .baselines import CONTENDERS, DEVICE_BOUND, SHIM_NOTE, torch_dist_cpu_shims
 from .gpt_state import GptShape, gpt_sharded_state_dict
-from .runner import BenchConfig, GiB, _bytes_per_rank, _over_ranks, balanced_order, on_ranks, rank_device
+from .runner import (
+    BenchConfig,
+    GiB,
+    _blank,
+    _bytes_per_rank,
+    _over_ranks,
+    _timed,
+    balanced_order,
+    drop_page_cache,
+    on_ranks,
+    rank_device,
+)
 
 ACCELERATOR_COMPUTE_MS = 250.0
 
@@ -70,6 +96,8 @@ class LoopConfig:
     steps: int = 30
     every: int = 10
     compute_ms: Optional[float] = None
+    local_dir: Optional[str] = None  # the local tier of tiered contenders
+    persistent: Optional[str] = None  # their persistent tier (a directory or msc:// URL); default the bench's
 
     @property
     def step_compute_ms(self) -> float:
@@ -85,6 +113,7 @@ class _Checkpointer:
 
     checkpoints = True
     uses_writer = False  # whether the rank's persistent writer process counts towards this one's memory
+    tiered = False  # whether a finalized save is only local, durable later on the persistent tier
 
     def shims(self) -> ContextManager[Any]:
         return nullcontext()
@@ -114,10 +143,15 @@ class _Ours(_Checkpointer):
 
     uses_writer = True
 
-    def __init__(self, cfg: BenchConfig, megatron_queue: bool):
+    def __init__(self, cfg: BenchConfig, megatron_queue: bool, tiers: Optional[TierConfig] = None):
         self._write = cfg.write
         self._megatron = megatron_queue
         self._queue: Any = compat.megatron_async_queue() if megatron_queue else AsyncSaveQueue()
+        self._tiers = tiers
+        self.tiered = tiers is not None
+
+    def _strategy(self) -> FastPersistSaveStrategy:
+        return FastPersistSaveStrategy(config=self._write, tiers=self._tiers)
 
     def shims(self) -> ContextManager[Any]:
         return torch_dist_cpu_shims() if self._megatron else nullcontext()
@@ -126,8 +160,8 @@ class _Ours(_Checkpointer):
         FastPersistSaveStrategy(config=self._write).load_ops(sd)  # plan + snapshot buffer, as docs/async.md advises
 
     def save(self, sd: dict, ckpt: str) -> None:
-        request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(config=self._write),
-                                          async_sharded_save=True, **compat.ASYNC_SAVE_KWARGS)
+        request = dist_checkpointing.save(sd, ckpt, sharded_strategy=self._strategy(), async_sharded_save=True,
+                                          **compat.ASYNC_SAVE_KWARGS)
         if self._megatron:
             self._queue.schedule_async_request(request)
         else:
@@ -139,7 +173,13 @@ class _Ours(_Checkpointer):
         return len(self._queue.maybe_finalize(blocking=blocking))
 
     def sync_save(self, sd: dict, ckpt: str) -> None:
-        dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(config=self._write))
+        dist_checkpointing.save(sd, ckpt, sharded_strategy=self._strategy())
+
+
+def _tiered(loop: "LoopConfig") -> _Checkpointer:
+    if loop.local_dir is None:
+        raise ValueError("fastpersist_tiered needs a local tier: bench-train --local-dir PATH")
+    return _Ours(loop.bench, megatron_queue=False, tiers=TierConfig(os.path.abspath(loop.local_dir)))
 
 
 class _TorchDist(_Checkpointer):
@@ -163,11 +203,12 @@ class _TorchDist(_Checkpointer):
         dist_checkpointing.save(sd, ckpt, sharded_strategy=("torch_dist", 1))
 
 
-CHECKPOINTERS: dict[str, Callable[[BenchConfig], _Checkpointer]] = {
-    "none": lambda cfg: _None(),
-    "torch_dist": _TorchDist,
-    "fastpersist_megatron_queue": lambda cfg: _Ours(cfg, megatron_queue=True),
-    "fastpersist": lambda cfg: _Ours(cfg, megatron_queue=False),
+CHECKPOINTERS: dict[str, Callable[["LoopConfig"], _Checkpointer]] = {
+    "none": lambda loop: _None(),
+    "torch_dist": lambda loop: _TorchDist(loop.bench),
+    "fastpersist_megatron_queue": lambda loop: _Ours(loop.bench, megatron_queue=True),
+    "fastpersist": lambda loop: _Ours(loop.bench, megatron_queue=False),
+    "fastpersist_tiered": _tiered,
 }
 WHAT = {
     "none": "no checkpoints (the reference loop)",
@@ -176,6 +217,8 @@ WHAT = {
                                   "per save: copy-on-write while it writes)",
     "fastpersist": "FastPersistSaveStrategy() per save on AsyncSaveQueue (a thread per save; the rank's writer "
                    "process writes)",
+    "fastpersist_tiered": "FastPersistSaveStrategy(local_dir=...) per save on AsyncSaveQueue: committed on the local "
+                          "tier, then copied to the persistent tier in the background",
 }
 DEFAULT_LOOP_CONTENDERS = ("none", "torch_dist", "fastpersist_megatron_queue", "fastpersist")
 
@@ -200,6 +243,8 @@ class LoopRun:
     drain_s: float = 0.0
     sync_s: float = 0.0
     extra_bytes: int = 0
+    persisted_s: list[float] = field(default_factory=list)  # tiered: per save, call to durable on the persistent tier
+    restart: dict[str, float] = field(default_factory=dict)  # tiered, last repetition: see Restart
 
 
 # ----------------------------------------------------------------------------- host memory
@@ -307,48 +352,142 @@ def train_step(tensors: list[torch.Tensor], compute: StepCompute) -> None:
 
 
 def _remove(path: str) -> None:
-    if dist.get_rank() == 0:
+    """A run's checkpoints removed (on an object store they stay: the run's prefix is new each time)."""
+    if dist.get_rank() == 0 and not is_object_store(path):
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _enable_object_store(loop: LoopConfig) -> None:
+    """megatron-core's multi-storage-client support on (what Megatron-LM's ``--enable-msc`` does), for an
+    ``msc://`` persistent tier."""
+    if loop.persistent is not None and is_object_store(loop.persistent):
+        from megatron.core.msc_utils import MultiStorageClientFeature
+
+        MultiStorageClientFeature.enable()
+
+
+def _remove_run(loop: LoopConfig, cp: _Checkpointer, root: str) -> None:
+    """Collective: a run's checkpoints removed, and for a tiered one their local copies."""
+    dist.barrier()
+    _remove(root)
+    if cp.tiered and loop.local_dir is not None and dist.get_rank() == 0:
+        for name in [f"step{s}" for s in loop.save_steps] + ["sync"]:
+            shutil.rmtree(local_copy_dir(os.path.abspath(loop.local_dir), f"{root}/{name}"), ignore_errors=True)
+
+
+def _root(loop: LoopConfig, cp: _Checkpointer, run_name: str) -> str:
+    """Collective: an empty directory for one run of a contender: in the bench directory, or for a tiered one in
+    its persistent tier (on an object store a new prefix)."""
+    if not (cp.tiered and loop.persistent is not None):
+        root = os.path.join(loop.bench.directory, run_name)
+    elif is_object_store(loop.persistent):
+        tag = [uuid.uuid4().hex[:12]]
+        dist.broadcast_object_list(tag, src=0)
+        return f"{loop.persistent.rstrip('/')}/{tag[0]}/{run_name}"
+    else:
+        root = os.path.join(loop.persistent, run_name)
+    _fresh_root(dist.get_rank(), root)
+    return root
 
 
 def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], compute: StepCompute, cfg: LoopConfig,
              root: str, baseline: Optional[int] = None) -> LoopRun:
     """The loop with ``cp``'s checkpoints; times are this rank's; peak memory above ``baseline`` if given."""
-    run, pending = LoopRun(), []
+    run = LoopRun()
+    pending: list[tuple[str, float]] = []  # called, not finalized: (checkpoint, call time)
+    draining: list[tuple[str, float]] = []  # tiered: finalized (local), not yet durable
     peak = 0
+
+    def finalized(count: int) -> None:
+        for _ in range(count):
+            ckpt, call = pending.pop(0)
+            run.durable_s.append(time.perf_counter() - call)
+            if cp.tiered:
+                draining.append((ckpt, call))
+
     with cp.shims():
         for step in range(1, cfg.steps + 1):
             start = time.perf_counter()
             train_step(tensors, compute)
             if cp.checkpoints and step in cfg.save_steps:
-                ckpt = os.path.join(root, f"step{step}")
-                prepare_checkpoint_dir(ckpt)
+                ckpt = f"{root}/step{step}"
+                _prepare(ckpt)
                 run.overlapped.append(bool(pending))
                 call = time.perf_counter()
                 cp.save(sd, ckpt)
                 run.calls_s.append(time.perf_counter() - call)
-                pending.append(call)
-            for _ in range(cp.finalize(blocking=False)):
-                run.durable_s.append(time.perf_counter() - pending.pop(0))
+                pending.append((ckpt, call))
+            finalized(cp.finalize(blocking=False))
+            while draining and checkpoint_state(draining[0][0]) == DURABLE:
+                run.persisted_s.append(time.perf_counter() - draining.pop(0)[1])
             run.loop_s += time.perf_counter() - start
             if baseline is not None:
                 peak = max(peak, host_memory(cp.uses_writer) - baseline)
         start = time.perf_counter()
-        for _ in range(cp.finalize(blocking=True)):
-            run.durable_s.append(time.perf_counter() - pending.pop(0))
+        finalized(cp.finalize(blocking=True))
+        for ckpt, call in draining:
+            if not wait_durable(ckpt):
+                raise RuntimeError(f"bench-train: {ckpt} did not become durable")
+            run.persisted_s.append(time.perf_counter() - call)
         run.drain_s = time.perf_counter() - start
     run.extra_bytes = peak
     return run
 
 
+def _prepare(ckpt: str) -> None:
+    """A checkpoint directory made ready (an object store needs none)."""
+    if not is_object_store(ckpt):
+        prepare_checkpoint_dir(ckpt)
+
+
+def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict[str, float]:
+    """Collective, one node: seconds to load ``ckpt`` from the local tier, then (its local copy removed) from the
+    persistent tier, and the device bound's reads of the same bytes per rank from the local tier (``bound_dir``)."""
+    assert loop.local_dir is not None
+    template = {k: _blank(v) for k, v in sd.items()}
+    local_copy = local_copy_dir(os.path.abspath(loop.local_dir), ckpt)
+
+    def load() -> float:
+        if dist.get_rank() == 0:
+            for where in (local_copy, ckpt):
+                if not is_object_store(where) and os.path.isdir(where):
+                    drop_page_cache(where)
+        dist.barrier()
+        return _over_ranks(_timed(lambda: dist_checkpointing.load(template, ckpt,
+                                                                  sharded_strategy=FastPersistLoadStrategy())))
+
+    from_local = load()
+    if dist.get_rank() == 0:
+        shutil.rmtree(local_copy)
+    dist.barrier()
+    from_persistent = load()
+    bound = CONTENDERS[DEVICE_BOUND]
+    if dist.get_rank() == 0:
+        shutil.rmtree(bound_dir, ignore_errors=True)
+        os.makedirs(bound_dir)
+    dist.barrier()
+    bound.save(sd, bound_dir, loop.bench.write)
+    if dist.get_rank() == 0:
+        drop_page_cache(bound_dir)
+    dist.barrier()
+    read_bound = _over_ranks(_timed(lambda: bound.load(template, bound_dir, loop.bench.write)))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(bound_dir, ignore_errors=True)
+    return {"from_local_s": from_local, "from_persistent_s": from_persistent, "local_read_bound_s": read_bound}
+
+
 def timed_sync_save(cp: _Checkpointer, sd: dict, root: str) -> float:
     """Seconds of a synchronous save of the same state by the same backend (the ratios' denominator)."""
-    ckpt = os.path.join(root, "sync")
-    prepare_checkpoint_dir(ckpt)
+    ckpt = f"{root}/sync"
+    _prepare(ckpt)
     with cp.shims():
         start = time.perf_counter()
         cp.sync_save(sd, ckpt)
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+    if cp.tiered and not wait_durable(ckpt):  # its copy to the persistent tier, before anything else runs
+        raise RuntimeError(f"bench-train: {ckpt} did not become durable")
+    return seconds
 
 
 def copy_floor_s(nbytes: int, device: torch.device, reps: int = 3) -> float:
@@ -406,16 +545,14 @@ def _trainer(rank: int, cfg: LoopConfig) -> _Trainer:
 
 def _memory_probe(rank: int, world: int, cfg: LoopConfig, name: str) -> int:
     """Peak extra host memory of this rank over one loop with ``name``'s checkpoints, in a fresh process."""
-    b = cfg.bench
+    _enable_object_store(cfg)
     t = _trainer(rank, cfg)
     baseline = host_memory(include_writer=False)
-    cp = CHECKPOINTERS[name](b)
+    cp = CHECKPOINTERS[name](cfg)
     cp.start(t.sd)
-    root = os.path.join(b.directory, f"train-{name}-memory")
-    _fresh_root(rank, root)
+    root = _root(cfg, cp, f"train-{name}-memory")
     run = run_loop(cp, t.sd, t.tensors, t.compute, cfg, root, baseline)
-    dist.barrier()
-    _remove(root)
+    _remove_run(cfg, cp, root)
     return int(_over_ranks(float(run.extra_bytes)))
 
 
@@ -423,29 +560,31 @@ def _rank_main(rank: int, world: int, cfg: LoopConfig,
                contenders: tuple[str, ...]) -> tuple[int, int, dict, Optional[CopyFloor]]:
     b = cfg.bench
     snapshot_bytes = 0  # this rank's data file in our synchronous save: its snapshot and their framing
+    _enable_object_store(cfg)
     t = _trainer(rank, cfg)
     FastPersistSaveStrategy(config=b.write).load_ops()  # at start-up, as docs/async.md advises
-    checkpointers = {name: CHECKPOINTERS[name](b) for name in contenders}
+    checkpointers = {name: CHECKPOINTERS[name](cfg) for name in contenders}
     runs: dict[str, list[LoopRun]] = {name: [] for name in contenders}
     for rep in range(b.reps):
         for name in balanced_order(contenders, rep):
             cp = checkpointers[name]
-            root = os.path.join(b.directory, f"train-{name}-{rep}")
             if rep == 0:
                 cp.start(t.sd)
-            _fresh_root(rank, root)
+            root = _root(cfg, cp, f"train-{name}-{rep}")
             run = run_loop(cp, t.sd, t.tensors, t.compute, cfg, root)
             if cp.checkpoints and cfg.save_steps:
                 run.sync_s = timed_sync_save(cp, t.sd, root)
-                if cp.uses_writer:
+                if cp.uses_writer and not cp.tiered:
                     snapshot_bytes = _bytes_per_rank(os.path.join(root, "sync"))[rank]
-            dist.barrier()
-            _remove(root)
+                if cp.tiered and rep == b.reps - 1:
+                    assert cfg.local_dir is not None
+                    run.restart = restart_times(cfg, t.sd, f"{root}/sync", os.path.join(cfg.local_dir, "read-bound"))
+            _remove_run(cfg, cp, root)
             runs[name].append(_slowest(run))
             if rank == 0:
                 print(f"bench-train: {name} {rep + 1}/{b.reps}: loop {runs[name][-1].loop_s:.2f} s",
                       file=sys.stderr, flush=True)
-    ours = tuple(name for name, cp in checkpointers.items() if cp.uses_writer)
+    ours = tuple(name for name, cp in checkpointers.items() if cp.uses_writer and not cp.tiered)
     floor = (CopyFloor(int(_over_ranks(snapshot_bytes)), copy_floor_s(snapshot_bytes, t.compute.matrix.device), ours)
              if ours else None)
     return t.shape.total_bytes(), t.compute.count, runs, floor
@@ -457,6 +596,7 @@ def _slowest(run: LoopRun) -> LoopRun:
         loop_s=_over_ranks(run.loop_s), calls_s=[_over_ranks(c) for c in run.calls_s],
         durable_s=[_over_ranks(d) for d in run.durable_s], drain_s=_over_ranks(run.drain_s),
         sync_s=_over_ranks(run.sync_s), overlapped=[_over_ranks(float(o)) > 0 for o in run.overlapped],
+        persisted_s=[_over_ranks(p) for p in run.persisted_s], restart=run.restart,
     )
 
 
@@ -513,9 +653,13 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory:
                 row["durable_alone_x_sync"] = row["durable_alone_s"] / sync if row["durable_alone_s"] else None
                 if floor and name in floor.contenders:
                     row["copy_floor_pct"] = 100 * floor.seconds / sync
+            persisted = [p for r in reps for p in r.persisted_s]
+            if persisted:
+                row.update(persisted_s=_med(persisted), restart=reps[-1].restart)
         rows.append(row)
     notes = [] if torch.cuda.is_available() else [SHIM_NOTE]
     return {"ranks": cfg.bench.ranks, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
+            "local_dir": cfg.local_dir, "persistent": cfg.persistent,
             "compute_ms": cfg.step_compute_ms, "matmuls_per_step": matmuls, "save_steps": cfg.save_steps,
             "reps": cfg.bench.reps, "directory": cfg.bench.directory,
             "copy_floor_bytes": floor.nbytes if floor else None, "copy_floor_s": floor.seconds if floor else None,
@@ -559,6 +703,20 @@ def format_loop_table(rep: dict) -> str:
             f"{_f(r.get('durable_alone_x_sync'), '.2f') + 'x':>11}{_f(r['extra_gib'], '.2f'):>15}"
         )
     lines.extend(f"  {r['name']}: {r['what']}" for r in rep["rows"])
+    direct = next((r for r in rep["rows"] if r["name"] == "fastpersist" and r.get("sync_s")), None)
+    for r in rep["rows"]:
+        if r.get("persisted_s") is None:
+            continue
+        versus = (f" ({r['persisted_s'] / direct['sync_s']:.2f}x fastpersist's synchronous save straight to "
+                  f"{rep['directory']}, {direct['sync_s']:.2f} s)" if direct else "")
+        lines.append(f"{r['name']}: local commit {r['durable_s']:.2f} s after the call, durable on the persistent "
+                     f"tier {r['persisted_s']:.2f} s after it{versus}")
+        if r.get("restart"):
+            s = r["restart"]
+            lines.append(f"{r['name']}: restart (last repetition's synchronous save, page cache dropped): from the "
+                         f"local tier {s['from_local_s']:.2f} s ({s['local_read_bound_s'] / s['from_local_s']:.2f}x "
+                         f"the local read bound, {s['local_read_bound_s']:.2f} s), from the persistent tier "
+                         f"{s['from_persistent_s']:.2f} s")
     if rep.get("copy_floor_s") is not None:
         shares = ", ".join(f"{r['name']} {r['copy_floor_pct']:.0f}%" for r in rep["rows"] if "copy_floor_pct" in r)
         lines.append(f"copy floor: {rep['copy_floor_s']:.3f} s for every rank to copy its snapshot's "
@@ -569,7 +727,8 @@ def format_loop_table(rep: dict) -> str:
 
 
 def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional[str],
-                compute_ms: Optional[float] = None) -> Optional[dict]:
+                compute_ms: Optional[float] = None, local_dir: Optional[str] = None,
+                persistent: Optional[str] = None) -> Optional[dict]:
     """:func:`run` for ``fastpersist-dist bench-train``: None, after saying why on stderr, on bad arguments."""
     names = tuple(contenders.split(",")) if contenders else DEFAULT_LOOP_CONTENDERS
     unknown = set(names) - set(CHECKPOINTERS)
@@ -577,4 +736,13 @@ def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional
         print(f"bench-train: contenders must include 'none' and be among {sorted(CHECKPOINTERS)} "
               f"(unknown: {sorted(unknown)}); --every must be below --steps", file=sys.stderr)
         return None
-    return run(LoopConfig(bench, steps, every, compute_ms), names, progress=lambda m: print(m, file=sys.stderr))
+    if "fastpersist_tiered" in names and local_dir is None:
+        print("bench-train: fastpersist_tiered needs --local-dir (its local tier)", file=sys.stderr)
+        return None
+    if persistent is not None and is_object_store(persistent) and importlib.util.find_spec(
+            "megatron.core.msc_utils") is None:
+        print(f"bench-train: --persistent {persistent} needs megatron-core's multi-storage-client support "
+              "(megatron-core 0.19)", file=sys.stderr)
+        return None
+    return run(LoopConfig(bench, steps, every, compute_ms, local_dir, persistent), names,
+               progress=lambda m: print(m, file=sys.stderr))

@@ -1,0 +1,7 @@
+"""Tiered checkpoints: each node's local tier at device speed, replicas on other nodes, the persistent tier in the
+background (docs/tiers.md).
+
+``save`` (the local commit, then the background work), ``replicate`` and ``drain`` (that work, on the threads of
+``background``), ``state`` (how far a checkpoint got, and the API to ask or wait), ``copies`` (where a load reads),
+``retention`` (which local copies stay), ``topology`` (nodes, failure domains, the replication group).
+"""

@@ -1,0 +1,104 @@
+"""The threads that move tiered checkpoints while training goes on: one replicates, one drains.
+
+Each runs its jobs one after another, in the order of the saves, so a rank's
+part of checkpoint N is done before its part of N+1, on every rank alike (the
+replication's transfers are collective). Replication and drain run beside
+each other: the drain does not wait for the replicas. A job that fails is
+logged and the next one runs.
+
+A process that ends while copies are still under way waits for them at exit
+(logging what it waits for), so a training script's last checkpoint still
+becomes durable; ``FASTPERSIST_EXIT_WAIT_S`` bounds that wait.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable, Generic, Optional, TypeVar
+
+from ...util.per_process import PerProcess
+from .drain import Drain, drain
+from .replicate import Replication, replicate
+
+logger = logging.getLogger(__name__)
+
+J = TypeVar("J")
+EXIT_WAIT_ENV = "FASTPERSIST_EXIT_WAIT_S"
+
+
+class Worker(Generic[J]):
+    """A thread running ``run(job)`` for each submitted job, in order."""
+
+    def __init__(self, name: str, run: Callable[[J], None]):
+        self.name = name
+        self._run = run
+        self._jobs: queue.Queue[J] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: J) -> None:
+        _exit_wait_registered.get()
+        self._jobs.put(job)
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not finished."""
+        return self._jobs.unfinished_tasks
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                self._run(job)
+            except Exception:  # noqa: BLE001 - the checkpoint stays where it is; the next ones still move
+                logger.exception("fastpersist: %s: a job failed; the checkpoint stays where it got to", self.name)
+            finally:
+                self._jobs.task_done()
+
+
+_replicator = PerProcess(lambda: Worker("fastpersist-replicate", replicate))
+_drainer = PerProcess(lambda: Worker("fastpersist-drain", drain))
+replicator: Callable[[], Worker[Replication]] = _replicator.get
+drainer: Callable[[], Worker[Drain]] = _drainer.get
+
+
+def _workers() -> list[Worker[Any]]:
+    """This process's workers made so far."""
+    return [w.get() for w in (_replicator, _drainer) if w.made()]
+
+
+def wait_copies(timeout: Optional[float] = None) -> bool:
+    """Wait until this process's replicas and copies to the persistent tier submitted so far are done (at most
+    ``timeout`` s); whether they are. Before ``destroy_process_group``: the replicas travel over a process group."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while any(w.pending for w in _workers()):
+        if end is not None and time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _wait_at_exit() -> None:
+    pending = sum(w.pending for w in _workers())
+    if not pending:
+        return
+    limit = os.environ.get(EXIT_WAIT_ENV)
+    logger.warning("fastpersist: waiting for %d checkpoint copies (replicas, drains to the persistent tier) to finish "
+                   "before this process exits%s", pending, f" (at most {limit} s, {EXIT_WAIT_ENV})" if limit else
+                   f"; {EXIT_WAIT_ENV} bounds the wait")
+    if not wait_copies(float(limit) if limit else None):
+        logger.error("fastpersist: exiting with checkpoint copies unfinished: those checkpoints stay in the local "
+                     "tiers (not durable)")
+
+
+def _register() -> bool:
+    atexit.register(_wait_at_exit)
+    return True
+
+
+_exit_wait_registered = PerProcess(_register)

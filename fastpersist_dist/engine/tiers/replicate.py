@@ -1,0 +1,209 @@
+"""Replicas: each node's data files copied into the local tiers of other nodes over ``torch.distributed``.
+
+Runs on every rank's replication thread after the local commit, over a gloo
+group of its own (``topology.replication_group``). Both ends of a transfer
+read the same index from their node's copy, so they cut the file into the
+same chunks of whole checksum blocks (``storage/copy.py``); the sender reads
+each chunk into one of two buffers and sends it while reading the next, the
+receiver checks each chunk against its checksums while the next arrives, and
+renames the file into its node's copy only when every block matched. A block
+that does not match is reported (file, byte offset, record, sender's node) and
+the rest of that file is received and dropped, so both ends stay in step.
+
+At the end every rank says whether its part went well (an all-reduce over the
+group); where all did, rank 0 records the checkpoint as ``replicated``. A peer
+that died makes the transfers with it fail at once; the checkpoint then stays
+``local``, and replication is off in this process from then on (the group
+is broken), said once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ...format.tiers import REPLICATED, TierManifest
+from ...plan.replicas import ReplicaTransfer, replica_transfers
+from ...storage.copy import AtomicFile, Span, block_spans, check_chunk, chunk_plan
+from ...util.errors import CorruptCheckpointError
+from ...util.per_process import PerProcess
+from ..index_reader import read_index
+from .state import advance
+
+logger = logging.getLogger(__name__)
+
+TAG = 4243
+
+
+@dataclass(frozen=True)
+class Replication:
+    """One rank's part of replicating one checkpoint."""
+
+    manifest: TierManifest
+    local: str  # this node's copy of the checkpoint
+    rank: int
+    node: str  # this node, for messages
+    group: dist.ProcessGroup
+
+
+class _Broken:
+    """Set once a transfer failed for a reason other than the bytes (a peer died): the group is unusable."""
+
+    def __init__(self) -> None:
+        self.why: Optional[str] = None
+
+
+_broken = PerProcess(_Broken)
+
+
+def replicate(job: Replication) -> None:
+    """This rank's transfers of ``job`` (collective over its group); see the module."""
+    broken = _broken.get()
+    if broken.why is not None:
+        logger.error("fastpersist: rank %d: %s is not replicated: replication stopped in this process after an "
+                     "earlier failure (%s)", job.rank, job.manifest.checkpoint_dir, broken.why)
+        return
+    start = time.perf_counter()
+    who = f"rank {job.rank} ({job.node})"
+    index = read_index(job.local, who)
+    transfers = replica_transfers(job.manifest.nodes, {f: r for f, r in job.manifest.files.items()
+                                                       if f in index.files}, job.manifest.replica_nodes)
+    ok, moved = True, 0
+    try:
+        for t in transfers:
+            if job.rank not in (t.src, t.dst):
+                continue
+            size = index.files[t.data_file]
+            path = os.path.join(job.local, t.data_file)
+            spans = block_spans([r for r in index.records if r.file == t.data_file], index.checksum_block_bytes,
+                                size, path)
+            if t.src == job.rank:
+                ok &= _send(t, path, spans, job.group, who)
+            else:
+                ok &= _receive(t, path, spans, job, who)
+            moved += size
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=job.group)
+    except RuntimeError as e:  # torch's DistError family: a peer died or timed out
+        broken.why = f"{type(e).__name__}: {e}"
+        logger.error("fastpersist: %s: replicating %s failed, it stays local (in the local tiers only): a peer "
+                     "died or timed out: %s", who, job.manifest.checkpoint_dir, e)
+        return
+    seconds = time.perf_counter() - start
+    logger.debug("fastpersist: %s: replicas of %s: %.3f GiB sent and received in %.2f s", who,
+                 job.manifest.checkpoint_dir, moved / 2**30, seconds)
+    if not flag.item():
+        if job.rank == 0:
+            logger.error("fastpersist: %s is not replicated: a replica failed its checksums (see the ranks' errors)",
+                         job.manifest.checkpoint_dir)
+        return
+    if job.rank == 0 and advance(job.manifest, REPLICATED):
+        logger.info("fastpersist: %s replicated: each node's files also in the local tiers of %s (%.2f s)",
+                    job.manifest.checkpoint_dir, _describe(job.manifest), seconds)
+
+
+def _describe(m: TierManifest) -> str:
+    return "; ".join(f"node {n} -> nodes {', '.join(map(str, r))}" for n, r in enumerate(m.replica_nodes))
+
+
+def _buffers(chunks: list[list[Span]]) -> list[torch.Tensor]:
+    most = max((c[-1].end - c[0].start for c in chunks), default=0)
+    return [torch.empty(most, dtype=torch.uint8) for _ in range(2 if len(chunks) > 1 else 1)]
+
+
+def _send(t: ReplicaTransfer, path: str, spans: list[Span], group: dist.ProcessGroup, who: str) -> bool:
+    """Send ``path`` to ``t.dst`` chunk by chunk; a chunk that cannot be read goes as zeros (the receiver's
+    checksums reject it) so that both ends stay in step. Whether every chunk was read."""
+    chunks = chunk_plan(spans)
+    buffers = _buffers(chunks)
+    pending: list[Optional[dist.Work]] = [None] * len(buffers)
+    ok = True
+    try:
+        fd: Optional[int] = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        logger.error("fastpersist: %s: cannot read %s to send it to rank %d: %s", who, path, t.dst, e)
+        fd, ok = None, False
+    try:
+        for i, chunk in enumerate(chunks):
+            slot = i % len(buffers)
+            if pending[slot] is not None:
+                pending[slot].wait()
+            view = buffers[slot][: chunk[-1].end - chunk[0].start]
+            if fd is not None:
+                try:
+                    got = os.preadv(fd, [memoryview(view.numpy())], chunk[0].start)
+                except OSError as e:
+                    got, error = 0, str(e)
+                else:
+                    error = "a short read"
+                if got != view.numel():
+                    logger.error("fastpersist: %s: reading %s at byte %d to send it to rank %d failed (%s)", who,
+                                 path, chunk[0].start, t.dst, error)
+                    view.zero_()
+                    ok = False
+            else:
+                view.zero_()
+            pending[slot] = dist.isend(view, dst=t.dst, group=group, tag=TAG)
+        for work in pending:
+            if work is not None:
+                work.wait()
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return ok
+
+
+def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication, who: str) -> bool:
+    """Receive ``t.data_file`` from ``t.src`` into this node's copy, checked; whether it is there now."""
+    chunks = chunk_plan(spans)
+    buffers = _buffers(chunks)
+    sender = f"rank {t.src}'s copy of {t.data_file} (node {job.manifest.node_of(t.src)})"
+
+    def post(i: int) -> dist.Work:
+        chunk = chunks[i]
+        return dist.irecv(buffers[i % len(buffers)][: chunk[-1].end - chunk[0].start], src=t.src, group=job.group,
+                          tag=TAG)
+
+    error: Optional[Exception] = None
+    out: Optional[AtomicFile] = None
+    try:
+        out = AtomicFile(path)
+    except OSError as e:  # e.g. the local tier is full or gone: received all the same, and dropped
+        error = e
+    try:
+        work = post(0) if chunks else None
+        for i, chunk in enumerate(chunks):
+            assert work is not None
+            work.wait()
+            data = buffers[i % len(buffers)][: chunk[-1].end - chunk[0].start]
+            work = post(i + 1) if i + 1 < len(chunks) else None
+            if out is None:
+                continue  # a bad block or a failed write earlier: received and dropped, in step with the sender
+            try:
+                check_chunk(memoryview(data.numpy()), chunk, sender, who)
+                out.write(memoryview(data.numpy()))
+            except (CorruptCheckpointError, OSError) as e:
+                error = e
+                out.abandon()
+                out = None
+        if out is not None:
+            try:
+                out.commit()
+            except OSError as e:
+                error = e
+                out.abandon()
+            out = None
+    finally:
+        if out is not None:
+            out.abandon()
+    if error is not None:
+        logger.error("fastpersist: %s: the replica of %s from rank %d was not kept: %s", who, t.data_file, t.src,
+                     error)
+        return False
+    return True

@@ -1,0 +1,98 @@
+"""Which local copies a node keeps: the newest ``keep_local``, and every copy something still needs.
+
+A node's local tier holds copies of several checkpoints (its own files and
+the replicas it keeps for other nodes). After each local commit the node's
+first rank removes the older ones beyond ``TierConfig.keep_local``, except:
+
+* a copy whose checkpoint is not durable yet (persistent checkpoints: it may
+  be the only copy of those files), and the copy of the newest durable one;
+* a copy a load on this node is reading (each load holds a shared lock on the
+  copy's ``IN_USE_FILE`` while it runs; removal takes it exclusively, without
+  waiting, and skips the copy when it cannot).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+from ...format.tiers import DURABLE, TierManifest
+from ...storage.persistent import PosixDir, persistent_dir
+from ...util.config import TierConfig
+from ...util.errors import FastPersistError
+from .state import read_manifest
+
+logger = logging.getLogger(__name__)
+
+IN_USE_FILE = ".fastpersist_in_use"
+
+
+@contextmanager
+def reading(copy_dir: Optional[str]) -> Iterator[None]:
+    """Hold ``copy_dir`` (a node's copy being read; None: nothing) against removal while the block runs."""
+    if copy_dir is None or not os.path.isdir(copy_dir):
+        yield
+        return
+    fd = os.open(os.path.join(copy_dir, IN_USE_FILE), os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _remove_unless_read(path: str) -> bool:
+    """Remove the copy at ``path`` unless a load holds it; whether it was removed."""
+    try:
+        fd = os.open(os.path.join(path, IN_USE_FILE), os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
+
+
+def retain(config: TierConfig, current: TierManifest) -> None:
+    """Remove this node's local copies that are no longer kept (see the module)."""
+    copies = []
+    for name in os.listdir(config.local_dir):
+        path = os.path.join(config.local_dir, name)
+        if not os.path.isdir(path):
+            continue
+        try:
+            manifest = read_manifest(PosixDir(path))
+        except FastPersistError:
+            continue  # a damaged copy is no copy to count: left for a person to look at
+        if manifest is not None:
+            copies.append((manifest.created, path, manifest))
+    copies.sort(reverse=True)
+    newest_durable = next((p for _, p, m in copies if _durable(m)), None)
+    for _, path, manifest in copies[config.keep_local:]:
+        if manifest.checkpoint_id == current.checkpoint_id or path == newest_durable or (
+                manifest.persistent and not _durable(manifest)):
+            continue
+        if _remove_unless_read(path):
+            logger.info("fastpersist: removed the local copy %s of %s (%s; %d newer copies kept)", path,
+                        manifest.checkpoint_dir, "durable" if manifest.persistent else "a local checkpoint",
+                        config.keep_local)
+        else:
+            logger.debug("fastpersist: the local copy %s is being read: kept for now", path)
+
+
+def _durable(m: TierManifest) -> bool:
+    """Whether the persistent tier holds ``m``'s checkpoint, committed (so a local copy of it is not the only one)."""
+    try:
+        current = read_manifest(persistent_dir(m.checkpoint_dir))
+    except FastPersistError:
+        return False
+    return current is not None and current.checkpoint_id == m.checkpoint_id and current.state == DURABLE

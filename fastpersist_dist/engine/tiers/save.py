@@ -1,0 +1,148 @@
+"""A tiered save: each node's local tier first, then replicas and the persistent tier in the background.
+
+A save with a ``TierConfig`` writes each rank's data file into its node's copy
+of the checkpoint (``format.tiers.local_copy_dir``) through the usual engine.
+The local commit (:meth:`TieredSave.commit`, at finalize) writes the index
+into every node's copy and then its tiers manifest; rank 0 writes the index,
+not committed, into the persistent directory's ``PENDING_DIR`` (a node whose
+local tier is empty finds it there), the small files megatron reads before
+any strategy (``common.pt``), and the manifest in state ``local``: the
+checkpoint is loadable from the local tiers from then on. Then each rank
+hands its part to the background threads (``background.py``): the replicas
+(``replicate.py``, with ``replicas`` > 0) and the drain to the persistent tier
+(``drain.py``, unless ``persistent=False``); and each node's first rank
+applies the retention (``retention.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from ...format.checksum import digest_bytes
+from ...format.kinds import DCP_METADATA_FILE, CheckpointFormat
+from ...format.records import INDEX_FILE
+from ...format.tiers import LOCAL, TIERS_FILE, TierManifest, local_copy_dir
+from ...plan.replicas import replica_nodes
+from ...storage.files import atomic_write, fsync_path, unlink_quietly
+from ...storage.persistent import persistent_dir
+from ...util.config import TierConfig
+from ...util.errors import FastPersistError, SaveFailedError
+from ..agreement import Agreement, failure
+from ..directory import invalidate
+from .background import drainer, replicator
+from .drain import Drain
+from .replicate import Replication
+from .retention import retain
+from .state import pending_dir
+from .topology import Topology, describe_node, replication_group, topology
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TieredSave:
+    """One tiered save: where this rank writes, and who prepares which copy."""
+
+    config: TierConfig
+    checkpoint_dir: str  # the persistent tier's directory (or msc:// URL)
+    local: str  # this node's copy of the checkpoint
+    topology: Topology
+    replicas: tuple[tuple[int, ...], ...]  # node -> the nodes that keep copies of its files
+    group: Optional[dist.ProcessGroup]  # the replication group, where there are replicas
+    rank: int
+
+    @classmethod
+    def start(cls, config: TierConfig, checkpoint_dir: str) -> "TieredSave":
+        """Collective: this save's copies; this node's copy directory made (every rank, before any check).
+
+        Raises ``ValueError`` on every rank alike where there are fewer other
+        nodes than ``replicas``.
+        """
+        topo = topology()
+        replicas = replica_nodes(topo.domains, config.replicas) if config.replicas else ()
+        group = replication_group() if config.replicas else None
+        local = local_copy_dir(config.local_dir, checkpoint_dir)
+        os.makedirs(local, exist_ok=True)
+        return cls(config, checkpoint_dir, local, topo, replicas, group, dist.get_rank())
+
+    @property
+    def node(self) -> int:
+        return self.topology.node_of(self.rank)
+
+    @property
+    def node_leader(self) -> bool:
+        """Whether this rank prepares and commits its node's copy (the node's first rank)."""
+        return self.topology.nodes[self.node][0] == self.rank
+
+    def invalidate(self, rewritten: frozenset[str]) -> None:
+        """Before anything is written: each node's copy (its leader), and the persistent directory's commit
+        markers (rank 0): an overwritten checkpoint is recognisably incomplete in every tier from here on."""
+        if self.node_leader:
+            unlink_quietly(os.path.join(self.local, TIERS_FILE))
+            invalidate(self.local, rewritten)
+        if self.rank == 0:
+            home = persistent_dir(self.checkpoint_dir)
+            for name in (TIERS_FILE, INDEX_FILE, DCP_METADATA_FILE):
+                home.remove(name)
+            if home.local_path is not None and os.path.isdir(home.local_path):
+                fsync_path(home.local_path)
+
+    def commit(self, finalize: Callable[[], Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
+               aux_files: dict[str, bytes]) -> TierManifest:
+        """Collective: the local commit (see the module), then this rank's part queued for the background."""
+        try:
+            files = finalize()  # raises SaveFailedError on every rank where any rank failed
+        except SaveFailedError as e:  # its ranks' errors name their paths: say which node each rank is on
+            raise SaveFailedError(f"{e} [local tier {self.config.local_dir} on each node; "
+                                  f"{self.topology.describe()}]") from e
+        assert files is not None
+        holder: list[Any] = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(holder, src=0)
+        manifest = TierManifest(
+            checkpoint_id=holder[0], checkpoint_dir=self.checkpoint_dir, local_dir=self.config.local_dir,
+            nodes=self.topology.nodes, files={fmt.data_file(r): r for r in range(dist.get_world_size())},
+            index_files=tuple(name for name, _ in files), index_xxh3_64=digest_bytes(dict(files)[INDEX_FILE]),
+            state=LOCAL, created=time.time(), persistent=self.config.persistent, replica_nodes=self.replicas)
+        error = None
+        try:
+            if self.node_leader:
+                for name, data in files:
+                    atomic_write(os.path.join(self.local, name), data)
+                atomic_write(os.path.join(self.local, TIERS_FILE), manifest.to_json_bytes())
+            if self.rank == 0:
+                home = persistent_dir(self.checkpoint_dir)
+                pending = pending_dir(home)
+                for name, data in files:
+                    pending.write(name, data)
+                for name, data in aux_files.items():  # megatron reads common.pt before asking any strategy
+                    home.write(name, data)
+                home.write(TIERS_FILE, manifest.to_json_bytes())
+        except (OSError, FastPersistError) as e:
+            error = f"rank {self.rank} ({describe_node()}): {type(e).__name__}: {e}"
+        what = f"cannot commit checkpoint {self.checkpoint_dir} to the local tiers"
+        Agreement(SaveFailedError, f"{what}; it is not committed",
+                  f"{what}; rank {self.rank}: a rank died or timed out").agree(failure(error))
+        if self.rank == 0:
+            logger.info("fastpersist: %s committed to the local tiers of %d nodes (%s)%s", self.checkpoint_dir,
+                        len(self.topology.nodes), self.local, self._next_steps())
+        node = describe_node()
+        if self.group is not None:
+            replicator().submit(Replication(manifest, self.local, self.rank, node, self.group))
+        if manifest.persistent:
+            drainer().submit(Drain(manifest, self.local, self.rank, node, fmt.data_file(self.rank),
+                                   self.config.retry_s))
+        if self.node_leader:
+            retain(self.config, manifest)
+        return manifest
+
+    def _next_steps(self) -> str:
+        steps = [f"replicating it to {self.config.replicas} other nodes"] if self.group is not None else []
+        steps += ["copying it to the persistent tier"] if self.config.persistent else []
+        return f"; {' and '.join(steps)} in the background" if steps else " (a local checkpoint only)"

