@@ -21,6 +21,7 @@ from fastpersist_dist.format.kinds import checkpoint_format
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import PENDING_DIR, TIERS_FILE, local_copy_dir
 from fastpersist_dist.storage.files import TMP_SUFFIX
+from fastpersist_dist.storage.persistent import persistent_dir
 from fastpersist_dist.tools.inspect import format_report, inspect_checkpoint
 
 from .helpers import flip_bit
@@ -240,14 +241,14 @@ def test_drained_to_object_storage_and_restarted_from_it(cluster, s3):
 
 @pytest.mark.engine
 def test_the_s3_server_killed_during_the_drain(cluster, s3):
-    """S3 killed once the checkpoint is committed locally, back 5 s later: the drain tries again and finishes;
-    it is never durable before; it then loads from S3 alone."""
+    """S3 killed once the checkpoint is committed locally (and megatron's save() wrote its metadata.json), back 5 s
+    later: the drain tries again and finishes; it is never durable before; it then loads from S3 alone."""
     url = f"msc://s3/{uuid.uuid4().hex}/s1"
     args = {"msc": True, "saves": [{"checkpoint": url, "local_dir": cluster["local"], "step": 1, "rows": 65536,
                                     "wait_durable": True, "timeout": 240}]}
     nodes = Nodes("save", args, cluster["nodes"], cluster["local"])
     deadline = time.monotonic() + 240
-    while (state := _state_or_none(url)) is None:
+    while (state := _state_or_none(url)) is None or persistent_dir(url).read("metadata.json") is None:
         assert time.monotonic() < deadline and all(p.poll() is None for p in nodes.procs), "no local commit"
         time.sleep(0.01)
     s3.stop()
