@@ -33,6 +33,7 @@ from ...storage.files import TMP_SUFFIX
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
 from ..index_reader import read_index
+from .part import RankPart
 from .state import DRAINED_PREFIX, advance, drained_marker, failed_marker, pending_dir, poll_interval, superseded
 
 logger = logging.getLogger(__name__)
@@ -43,13 +44,9 @@ LONGEST_PAUSE_S = 30.0
 
 
 @dataclass(frozen=True)
-class Drain:
+class Drain(RankPart):
     """One rank's part of draining one checkpoint."""
 
-    manifest: TierManifest
-    local: str  # this node's copy of the checkpoint
-    rank: int
-    node: str  # this node, for messages
     data_file: str  # this rank's
     retry_s: float
 

@@ -34,6 +34,7 @@ from ...storage.copy import AtomicFile, Span, block_spans, check_chunk, chunk_pl
 from ...util.errors import CorruptCheckpointError
 from ...util.per_process import PerProcess
 from ..index_reader import read_index
+from .part import RankPart
 from .state import advance
 
 logger = logging.getLogger(__name__)
@@ -42,13 +43,9 @@ TAG = 4243
 
 
 @dataclass(frozen=True)
-class Replication:
+class Replication(RankPart):
     """One rank's part of replicating one checkpoint."""
 
-    manifest: TierManifest
-    local: str  # this node's copy of the checkpoint
-    rank: int
-    node: str  # this node, for messages
     group: dist.ProcessGroup
 
 
