@@ -2,7 +2,7 @@
 
 A tiered checkpoint moves as files: from a node's local tier to the
 persistent one, to other nodes' local tiers (replicas), and back from object
-storage into a local tier for a load (``engine/tier_*.py``). Whatever carries
+storage into a local tier for a load (``engine/tiers/``). Whatever carries
 the bytes, they go in chunks of whole checksum blocks (:func:`chunk_plan`), and
 each block is checked against the index (:func:`check_chunk`) before it is
 passed on: a byte that rotted in the source, or one damaged in transit, never
@@ -261,7 +261,7 @@ class CheckedFile(io.RawIOBase):
             self.close()  # closed once: a later close() (the garbage collector's) must not close a reused number
             raise CorruptCheckpointError(f"{who}: {path} has {actual} bytes, the index says {size}")
         self._pos = 0
-        self._held: tuple[int, bytes] = (-1, b"")  # (span index, its checked bytes)
+        self._held: tuple[int, memoryview] = (-1, memoryview(b""))  # (span index, its checked bytes)
         self._starts = [s.start for s in spans]
 
     def readable(self) -> bool:
@@ -299,10 +299,10 @@ class CheckedFile(io.RawIOBase):
     def _span_at(self, pos: int) -> int:
         return bisect_right(self._starts, pos) - 1
 
-    def _checked(self, i: int) -> bytes:
+    def _checked(self, i: int) -> memoryview:
         if self._held[0] != i:
             chunk = [self._spans[i]]
             data = read_chunk_into(self._fd, chunk, bytearray(chunk[0].end - chunk[0].start), self.path, self._who)
             check_chunk(data, chunk, self.path, self._who)
-            self._held = (i, bytes(data))
+            self._held = (i, data)  # its own buffer, read once per block
         return self._held[1]

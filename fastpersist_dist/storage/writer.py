@@ -59,8 +59,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 HOST_COPY_BYTES = 256 * MiB
 # Buffered writes where a rank has under two cores: each piece is hashed right after its write,
 # on the same thread, while its bytes are still in the CPU's caches. A checksum thread beside the
-# writes then only competes for the cores and reads the bytes from memory a second time: 2 ranks
-# writing 0.5 GiB each to tmpfs on 2 cores took 0.230 s that way, 0.215 s with 4 MiB pieces inline.
+# writes would only compete for the cores and read the bytes from memory a second time.
 INLINE_PIECE_BYTES = 4 * MiB
 _warned: set[object] = set()
 
