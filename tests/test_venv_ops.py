@@ -1,6 +1,7 @@
 """Each virtualenv keeps its own built DeepSpeed ops: using one venv never rebuilds another's;
 a CUDA arch list DeepSpeed cannot parse does not stop them from building; a failed build advises
-installing libaio only where DeepSpeed finds none.
+installing libaio only where DeepSpeed finds none; DeepSpeed imported after ``init_process_group`` leaves the
+world group to ``destroy_process_group``.
 
 The venv test needs a second venv: ``FASTPERSIST_OTHER_PYTHON=<other venv>/bin/python`` (``.ci/run``
 sets it in its second run, pointing at the first).
@@ -109,3 +110,26 @@ def test_the_libaio_advice_is_given_only_where_deepspeed_finds_no_libaio():
                           env={**os.environ, "CC": "false"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "is libaio-dev installed?" in proc.stdout.strip().splitlines()[-1]
+
+
+# A training script's order: imports, init_process_group, then DeepSpeed imported by the first save; prints the
+# world group's references left after destroy_process_group (2: the script's variable and getrefcount's argument).
+AFTER_INIT = """
+import sys
+import torch.distributed as dist
+from fastpersist_dist.storage.deepspeed_ops import aio_module
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+world = dist.group.WORLD
+aio_module()
+dist.destroy_process_group()
+print(sys.getrefcount(world))
+"""
+
+
+def test_deepspeed_imported_after_init_leaves_the_world_group_to_destroy_process_group():
+    # A group that outlives destroy_process_group keeps its gloo threads into the interpreter's finalization,
+    # where releasing a finished collective's tensors aborts the process ("terminate called without an active
+    # exception").
+    proc = subprocess.run([sys.executable, "-c", AFTER_INIT], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split()[-1] == "2", "something still holds the world process group after destroy_process_group"

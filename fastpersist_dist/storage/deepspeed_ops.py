@@ -1,6 +1,6 @@
 """Access to DeepSpeed's native ops: the ``async_io`` handle and the ``utils`` op.
 
-Four traps of DeepSpeed 0.19 and the torch JIT build under it are handled here, once:
+Five traps of DeepSpeed 0.19 and the torch JIT build under it are handled here, once:
 
 * On a CPU-only torch the accelerator maps ``UtilsBuilder`` to
   ``NotImplementedBuilder``, so ``FastFileWriter()`` raises. The generic
@@ -14,6 +14,14 @@ Four traps of DeepSpeed 0.19 and the torch JIT build under it are handled here, 
   int() with base 10: '0a'", seen on an H200 machine). Our ops are host C++
   with no device code, so they are built with the suffixes dropped
   (:func:`arch_list_without_suffixes`); the user's variable is restored after.
+* ``TorchBackend.barrier`` and ``monitored_barrier`` take the world process
+  group as a default argument, evaluated at DeepSpeed's import: imported after
+  ``init_process_group``, DeepSpeed keeps the world group alive past
+  ``destroy_process_group``. Its gloo threads then outlive the interpreter's
+  finalization, and one that releases a finished collective's tensors there
+  aborts the process at exit ("terminate called without an active
+  exception"). Both methods read None as the world group, so
+  :func:`import_deepspeed` puts None in the group's place.
 * torch's JIT build waits without end on a build lock that a process killed
   while building left behind: ``build_locks`` clears such a lock, and bounds
   the wait for a live one.
@@ -26,6 +34,8 @@ megatron-core stacks never rebuild each other's ops.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import re
@@ -35,6 +45,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..util.config import AioSettings
 from .build_locks import loading_ops
@@ -94,12 +105,29 @@ def _loading_ops() -> Iterator[None]:
         yield
 
 
+@functools.cache
+def import_deepspeed() -> None:
+    """Import DeepSpeed without its reference to the world process group (see module doc).
+
+    Every use of DeepSpeed here goes through this first; a forked child
+    inherits the module as it was fixed.
+    """
+    from deepspeed.comm.torch import TorchBackend
+
+    for name in ("barrier", "monitored_barrier"):
+        method = inspect.unwrap(getattr(TorchBackend, name))
+        group, *rest = method.__defaults__
+        if isinstance(group, dist.ProcessGroup):
+            method.__defaults__ = (None, *rest)
+
+
 def aio_module() -> Any:
     """The built ``async_io`` extension (built on first use: minutes; prebuilt by scripts/setup.sh)."""
     global _AIO_MODULE, _AIO_ERROR
     use_venv_extension_cache()
     if _AIO_MODULE is None and _AIO_ERROR is None:
         try:
+            import_deepspeed()
             from deepspeed.ops.op_builder import AsyncIOBuilder
 
             with _loading_ops():
@@ -137,6 +165,7 @@ def aio_available() -> bool:
 
 def ensure_fast_file_writer_usable() -> None:
     """Make ``deepspeed.io.FastFileWriter`` constructible on CPU-only torch (see module doc)."""
+    import_deepspeed()
     from deepspeed.io import fast_file_writer
     from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder
 
