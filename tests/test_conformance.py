@@ -8,6 +8,7 @@ values are the ones saved.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
@@ -15,9 +16,11 @@ import pytest
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorProperties
 
 from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy
@@ -196,6 +199,66 @@ def _check_values(scenario: str, per_rank: list) -> None:
     elif scenario == "dtypes":
         for got in per_rank:
             assert all(ok for _, ok in got), got
+
+
+# What callers catch: megatron's base checkpointing error and torch DCP's.
+FAMILIES = (CheckpointingException, CheckpointException)
+
+
+class _Records(logging.Handler):
+    """The records fastpersist_dist logs at INFO or above while installed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(f"{record.name}: {record.getMessage()}")
+
+
+def _strict_matrix(rank: int, world: int, backend: str, path: str) -> dict:
+    """Each StrictHandling mode's outcome for a load asking "a" and "c" of a checkpoint of "a" and "b": the loaded
+    values (and the missing and unexpected keys where the mode returns them), or the families of the error raised;
+    and what fastpersist_dist logged at INFO or above meanwhile. "megatron": megatron's own torch_dist checkpoint
+    through its own loader; "torch_dist": the same checkpoint through a plain load() (our loader hands it over)."""
+    t = global_tensor("a", (WORLD, 4))
+    _save("torch_dist" if backend == "megatron" else backend,
+          {k: ShardedTensor.from_rank_offsets(k, t[rank : rank + 1].clone(), (0, rank, WORLD)) for k in ("a", "b")},
+          path)
+    records, ours = _Records(), logging.getLogger("fastpersist_dist")
+    ours.addHandler(records)
+    ours.setLevel(logging.INFO)  # as a trainer that shows INFO records
+    outcomes = {}
+    for mode in StrictHandling:
+        req = {k: ShardedTensor.from_rank_offsets(k, torch.zeros(1, 4), (0, rank, WORLD)) for k in ("a", "c")}
+        kwargs = {"sharded_strategy": TorchDistLoadShardedStrategy()} if backend == "megatron" else {}
+        try:
+            got = _load(backend, req, path, strict=mode, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            outcomes[mode.name] = ("raised", sorted(f.__name__ for f in FAMILIES if isinstance(e, f)))
+            continue
+        loaded, *mismatch = got if isinstance(got, tuple) else (got,)
+        outcomes[mode.name] = ("loaded", loaded["a"].tolist(), [sorted(keys) for keys in mismatch])
+    ours.removeHandler(records)
+    ours.setLevel(logging.NOTSET)
+    return {"outcomes": outcomes, "logged": records.seen}
+
+
+def test_every_strict_handling_mode_as_megatrons_backend(tmp_path):
+    results = {b: run_ranks(WORLD, _strict_matrix, b, str(tmp_path / b)) for b in ["megatron", *BACKENDS]}
+    theirs = results["megatron"][0]["outcomes"]
+    assert theirs["ASSUME_OK_UNEXPECTED"] == ("raised", ["CheckpointException"])  # torch DCP's error: "c" is absent
+    assert theirs["RETURN_ALL"] == ("loaded", global_tensor("a", (WORLD, 4))[:1].tolist(), [["b"], ["c"]])
+    for backend in BACKENDS:
+        for rank, result in enumerate(results[backend]):
+            for mode, outcome in result["outcomes"].items():
+                expected = results["megatron"][rank]["outcomes"][mode]
+                if expected[0] == "raised":  # ours may be of more families, never of fewer
+                    assert outcome[0] == "raised" and set(outcome[1]) >= set(expected[1]), (backend, mode, outcome)
+                else:
+                    assert outcome == expected, (backend, rank, mode, outcome, expected)
+    # megatron's loader logs nothing when it loads its own checkpoint; neither does ours when handing it over
+    assert results["torch_dist"] == results["megatron"]
 
 
 def _megatrons_own(rank: int, world: int, path: str) -> None:

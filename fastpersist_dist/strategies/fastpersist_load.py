@@ -91,8 +91,8 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
         checkpoints handed to megatron's stock loader.
         """
         ckpt = checkpoint_url(checkpoint_dir)
-        if foreign_checkpoint(ckpt):
-            logger.info("fastpersist: %s has no %s; loading it with megatron's torch_dist loader (no checksums)",
+        if foreign_checkpoint(ckpt):  # megatron's loader logs nothing here: a line per load would be noise
+            logger.debug("fastpersist: %s has no %s; loading it with megatron's torch_dist loader (no checksums)",
                         ckpt, INDEX_FILE)
             return compat.stock_load(sharded_state_dict, ckpt, async_strategy)
         return self._engine.load(sharded_state_dict, ckpt)
