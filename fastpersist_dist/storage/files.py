@@ -1,4 +1,4 @@
-"""Small files made durable: fsync, atomic replacement, quiet removal, digests.
+"""Small files made durable: fsync, atomic replacement, quiet removal, digests; holes punched in data files.
 
 The commit protocol and the writers' status files rely on these: a reader
 sees the old file or the whole new one, never a torn write, and a rename is
@@ -7,8 +7,12 @@ durable once its directory is fsynced.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
+import functools
 import os
-from typing import Optional
+from typing import Iterable, Optional
 
 from ..format.checksum import digest_bytes
 from ..util.errors import FastPersistError
@@ -57,3 +61,37 @@ def file_digest(path: str, who: str) -> Optional[str]:
         return None
     except OSError as e:
         raise FastPersistError(f"{who}: cannot read {path}: {e}") from e
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02  # linux/falloc.h
+
+
+@functools.cache
+def _fallocate() -> ctypes._CFuncPtr:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fn = libc.fallocate
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn
+
+
+def punch_holes(path: str, ranges: Iterable[tuple[int, int]]) -> None:
+    """Free the bytes of each ``(offset, length)`` of ``path`` (they read as zeros after); size and other bytes stay.
+
+    Linux ``fallocate(PUNCH_HOLE | KEEP_SIZE)``: ext4, XFS, btrfs, tmpfs, and
+    NFS 4.2 and Lustre 2.14 and later. Raises ``OSError`` (``EOPNOTSUPP``) where
+    the filesystem cannot, having punched nothing after the first range.
+    """
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for offset, length in ranges:
+            if length and _fallocate()(fd, _FALLOC_FL_KEEP_SIZE | _FALLOC_FL_PUNCH_HOLE, offset, length) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"cannot punch bytes {offset}+{length} out of {path}: {os.strerror(err)}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def cannot_punch(error: OSError) -> bool:
+    """Whether ``error`` says the filesystem does not punch holes (rather than that something failed)."""
+    return error.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)

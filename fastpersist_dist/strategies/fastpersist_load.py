@@ -9,6 +9,7 @@ handed to megatron's stock loader.
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -18,6 +19,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShard
 
 from .. import compat
 from ..engine.load import LoadEngine, foreign_checkpoint
+from ..engine.remove import remove_keys
 from ..format.dcp_metadata import without_strides
 from ..format.kinds import BACKENDS
 from ..format.records import INDEX_FILE
@@ -108,3 +110,20 @@ class FastPersistLoadStrategy(compat.LoadStrategyBase):
         if foreign_checkpoint(checkpoint_url(checkpoint_dir)):
             return _StockMetadataReader().load_sharded_metadata(Path(checkpoint_dir))
         return self._engine.sharded_metadata(checkpoint_url(checkpoint_dir))
+
+    def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
+        """Remove every tensor and object whose key begins with ``key_prefix`` (megatron's
+        ``dist_checkpointing.remove_sharded_tensors``); call it in one process, with no save or load running.
+
+        Ours: the keys leave the index (and DCP's ``.metadata``), their bytes are
+        freed, every other key stays verified; a crash half-way leaves a checkpoint
+        that loads right or refuses to, and running it again finishes it
+        (``engine/remove.py``). megatron's own checkpoints: megatron's removal.
+        Nothing begins with the prefix: a warning, as megatron's.
+        """
+        ckpt = checkpoint_url(checkpoint_dir)
+        if foreign_checkpoint(ckpt):
+            TorchDistLoadShardedStrategy().remove_sharded_tensors(str(checkpoint_dir), key_prefix)
+            return
+        if not remove_keys(ckpt, key_prefix).keys:
+            warnings.warn(f'There are no keys in {ckpt} that begin with "{key_prefix}". Skipping removal.')

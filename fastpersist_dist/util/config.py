@@ -89,6 +89,10 @@ class WriteConfig(AioKnobs):
         evidently does not see rank 0's checkpoint directory (node-local storage,
         another mount namespace; see storage/shared_dir.py); False: write such node-local
         parts anyway (to be gathered into one directory by the caller).
+    separation_hint: a key prefix (megatron's, e.g. "optimizer"): a rank writes the
+        keys beginning with it after all its other keys, so that
+        ``dist_checkpointing.remove_sharded_tensors(dir, prefix)`` frees their bytes as
+        one range per data file (any removal frees them where the filesystem punches holes).
     """
 
     direct_io: DirectIO = "auto"
@@ -97,6 +101,7 @@ class WriteConfig(AioKnobs):
     balance: bool = True
     readback_stride: Optional[int] = 0
     require_shared_dir: bool = True
+    separation_hint: Optional[str] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
