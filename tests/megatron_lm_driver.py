@@ -118,9 +118,13 @@ def main() -> None:
                                               checkpointing_context=context, non_persistent_ckpt=True)
                 saved.append(iteration)
         if args.async_save:
-            from megatron.training.async_utils import maybe_finalize_async_save
+            from megatron.training import async_utils
 
-            maybe_finalize_async_save(blocking=True, terminate=True)
+            from fastpersist_dist.integrations.megatron_lm_queue import MegatronLMQueue
+
+            # the queue Megatron-LM made for --async-save: ours once enable() ran (no caller forked per save)
+            result["async_queue_ours"] = isinstance(async_utils._async_calls_queue, MegatronLMQueue)
+            async_utils.maybe_finalize_async_save(blocking=True, terminate=True)
         torch.save({"iteration": saved[-1], "params": _params(model), "optim": _optimizer_states(optimizer)},
                    expected_path)
         result["saved"] = saved

@@ -12,7 +12,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
 from fastpersist_dist import SaveFailedError
-from fastpersist_dist.compat import megatron_async_queue
+from fastpersist_dist.compat import megatron_async_queue_class
 from fastpersist_dist.engine.async_queue import AsyncSaveQueue
 from fastpersist_dist.engine.writer_process import writer_client
 from fastpersist_dist.format.records import INDEX_FILE
@@ -175,7 +175,7 @@ def test_background_write_error_surfaces_at_finalize_on_all_ranks(tmp_path):
 
 def _megatron_queue(rank: int, world: int, root: str) -> None:
     sd = async_state(rank, world)
-    queue = megatron_async_queue()
+    queue = megatron_async_queue_class()()
     expected = []
     with torch_dist_cpu_shims():  # its temporal caller calls torch.cuda unconditionally
         for step in range(2):  # a fresh strategy per save; the second save starts before the first is finalized

@@ -141,18 +141,18 @@ def test_training_loop_benchmark_tiny(tmp_path):
     rows = {r["name"]: r for r in report["rows"]}
     assert list(rows) == list(DEFAULT_LOOP_CONTENDERS)
     assert "slowdown_pct" not in rows["none"]
-    for name in ("torch_dist", "fastpersist_megatron_queue", "fastpersist"):
+    for name in ("torch_dist", "fastpersist_megatron_queue", "fastpersist_megatron_lm", "fastpersist"):
         r = rows[name]
         assert r["first_call_s"] > 0 and r["call_s"] > 0 and r["sync_s"] > 0, r
         assert r["durable_s"] > 0 and r["extra_gib"] >= 0 and "slowdown_pct" in r, r
-    for name in ("torch_dist", "fastpersist_megatron_queue", "fastpersist"):  # a first save never overlaps
+    for name in ("torch_dist", "fastpersist_megatron_queue", "fastpersist_megatron_lm", "fastpersist"):  # a first save never overlaps
         r = rows[name]
         assert r["saves"] == 2 and r["overlapped"] in (0, 1) and r["durable_alone_s"] > 0, r
     # ours holds a snapshot buffer per save in flight and its writer process: more than nothing
     assert rows["fastpersist"]["extra_gib"] > 0
     # the copy floor of our calls: a rank's data file copied at once by every rank, set against our sync saves
     assert report["copy_floor_bytes"] >= report["bytes"] // 2 and report["copy_floor_s"] > 0
-    assert all(rows[n]["copy_floor_pct"] > 0 for n in ("fastpersist", "fastpersist_megatron_queue"))
+    assert all(rows[n]["copy_floor_pct"] > 0 for n in ("fastpersist", "fastpersist_megatron_queue", "fastpersist_megatron_lm"))
     assert "copy_floor_pct" not in rows["torch_dist"]
     table = training_loop.format_loop_table(report)
     assert all(name in table for name in rows) and "slowdown" in table and "copy floor:" in table

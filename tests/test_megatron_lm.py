@@ -43,6 +43,7 @@ from fastpersist_dist import (
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import local_copy_dir
 from fastpersist_dist.integrations import megatron_lm
+from fastpersist_dist.tools.bench.baselines import torch_dist_cpu_shims
 from fastpersist_dist.tools.inspect import inspect_checkpoint
 from fastpersist_dist.tools.ranks import run_ranks, serve_store
 from fastpersist_dist.tools.verify import verify_checkpoint
@@ -129,6 +130,60 @@ def _enable_with_argv(rank: int, world: int) -> list:
 
 def test_enable_starts_the_writer_process_ahead_only_for_async_save():
     assert run_ranks(1, _enable_with_argv) == [[False, True]]
+
+
+def _as_megatron_lm_async_utils_imports_it() -> types.ModuleType:
+    """A module holding the async queue seam as Megatron-LM's async_utils.py imports it from megatron-core."""
+    from megatron.core.dist_checkpointing.strategies import async_utils
+
+    module = types.ModuleType("async_utils_seams")
+    seam = compat.MEGATRON_LM_ASYNC_SEAM
+    setattr(module, seam, getattr(async_utils if hasattr(async_utils, seam) else mcore_torch_strategies, seam))
+    return module
+
+
+def _megatron_lm_queue(module: types.ModuleType) -> object:
+    """The --async-save queue, made as the Megatron-LM of this megatron-core makes it."""
+    if compat.MEGATRON_LM_ASYNC_SEAM == "get_async_strategy":  # 0.17+: the class its get_async_strategy answers
+        return module.get_async_strategy("mcore")[1]["AsyncCallsQueue"](persistent=False)
+    return module.AsyncCallsQueue()
+
+
+def _async_saves_through_the_queue(rank: int, world: int, ours: str, theirs: str) -> dict:
+    from fastpersist_dist.integrations.megatron_lm_queue import MegatronLMQueue
+
+    module = _as_megatron_lm_async_utils_imports_it()
+    original = getattr(module, compat.MEGATRON_LM_ASYNC_SEAM)
+    megatron_lm.enable(target=_as_megatron_lm_imports_them(), async_target=module)
+    try:
+        queue = _megatron_lm_queue(module)
+        assert isinstance(queue, MegatronLMQueue)
+        out = {}
+        for path, strategy in ((ours, FastPersistSaveStrategy("torch_dist")),
+                               (theirs, mcore_torch_strategies.TorchDistSaveShardedStrategy("torch_dist", 1))):
+            prepare_checkpoint_dir(path)
+            with torch_dist_cpu_shims():
+                request = dist_checkpointing.save(_state(rank, world, empty=False), path, strategy,
+                                                  async_sharded_save=True, **compat.ASYNC_SAVE_KWARGS)
+                queue.schedule_async_request(request)
+                out[path] = queue._theirs is not None  # whether megatron's queue (a forked caller) was needed
+                queue.maybe_finalize_async_calls(blocking=True)
+            loaded = dist_checkpointing.load(_state(rank, world, empty=True), path)
+            expected = _state(rank, world, empty=False)
+            assert all(torch.equal(loaded[k], expected[k].data) for k in expected)
+        assert queue.get_num_unfinalized_calls() == 0
+        queue.close()
+    finally:
+        megatron_lm.disable()
+    assert getattr(module, compat.MEGATRON_LM_ASYNC_SEAM) is original
+    return out
+
+
+def test_enable_gives_megatron_lm_async_save_our_queue_and_megatrons_for_the_rest(tmp_path):
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "megatrons")
+    for got in run_ranks(2, _async_saves_through_the_queue, ours, theirs):
+        assert got == {ours: False, theirs: True}  # ours waited for in a thread; megatron's own on its queue
+    assert verify_checkpoint(ours).ok
 
 
 def test_local_checkpoint_flags_translate_onto_tiers():
@@ -254,6 +309,7 @@ def test_megatron_lm_training_async_through_the_runner(megatron_lm_env, tmp_path
     _check_run(ckpt, train, resume, "FastPersistSaveStrategy")
     # The runner started each rank's writer before Megatron-LM built its model, not in the first save.
     assert all(r["writer_before_first_save"] for r in train + resume)
+    assert all(r["async_queue_ours"] for r in train), train  # --async-save ran on our queue
 
 
 @pytest.mark.slow

@@ -94,7 +94,7 @@ def _queue_for_nemo_requests():
     nvidia-resiliency-ext's ("nvrx", the default there), run by that package's
     queue.
     """
-    return compat.megatron_async_queue() if compat.REGISTRY else megatron_queue("nvrx")
+    return compat.megatron_async_queue_class()() if compat.REGISTRY else megatron_queue("nvrx")
 
 
 CASES = [  # (checkpoint format, async save, parallel load)

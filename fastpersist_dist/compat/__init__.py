@@ -41,12 +41,14 @@ ASYNC_SAVE_KWARGS = _adapter.ASYNC_SAVE_KWARGS
 SaveStrategyBase = _adapter.SaveStrategyBase
 LoadStrategyBase = _adapter.LoadStrategyBase
 request_type = _adapter.request_type
-megatron_async_queue = _adapter.megatron_async_queue
+megatron_async_queue_class = _adapter.megatron_async_queue_class
 common_files = _common.common_files
 stock_load = _adapter.stock_load
 strategy_input = _common.strategy_input
 register = _adapter.register
 TRAINING_STRATEGY_SEAMS = _adapter.TRAINING_STRATEGY_SEAMS
+MEGATRON_LM_ASYNC_SEAM = _adapter.MEGATRON_LM_ASYNC_SEAM
+megatron_lm_async_replacement = _adapter.megatron_lm_async_replacement
 FullyParallelSaveWrapper = _adapter.FullyParallelSaveWrapper
 WRAPPER_SEAM = "FullyParallelSaveStrategyWrapper"  # the name Megatron-LM and NeMo build that wrapper by
 
@@ -56,11 +58,13 @@ __all__ = [
     "FullyParallelSaveWrapper",
     "REGISTRY",
     "LoadStrategyBase",
+    "MEGATRON_LM_ASYNC_SEAM",
     "SaveStrategyBase",
     "TRAINING_STRATEGY_SEAMS",
     "WRAPPER_SEAM",
     "common_files",
-    "megatron_async_queue",
+    "megatron_async_queue_class",
+    "megatron_lm_async_replacement",
     "request_type",
     "register",
     "stock_load",

@@ -33,6 +33,16 @@ LoadStrategyBase = LoadShardedStrategy
 # and ``get_default_load_sharded_strategy(checkpoint_dir)`` (core_v0.16.1). fastpersist_dist.megatron_lm
 # replaces these two names there.
 TRAINING_STRATEGY_SEAMS = ("get_default_save_sharded_strategy", "get_default_load_sharded_strategy")
+# The name Megatron-LM's megatron/training/async_utils.py (released with this megatron-core) makes its
+# --async-save queue by: megatron-core's AsyncCallsQueue class, imported there by name.
+MEGATRON_LM_ASYNC_SEAM = "AsyncCallsQueue"
+
+
+def megatron_lm_async_replacement(current: Any, queue_class: Callable[[Any], Any]) -> Any:
+    """What stands in for ``MEGATRON_LM_ASYNC_SEAM``: the class ``queue_class`` makes around megatron's."""
+    return queue_class(current)
+
+
 # megatron's fully-parallel save wrapper reports the backend of the strategy it wraps here (0.17+'s does not).
 FullyParallelSaveWrapper = FullyParallelSaveStrategyWrapper
 
@@ -42,9 +52,9 @@ def request_type(async_strategy: Optional[str]) -> Callable[[Callable[..., None]
     return AsyncRequest
 
 
-def megatron_async_queue() -> AsyncCallsQueue:
-    """megatron's own queue of async requests (its temporal caller forks a process per request)."""
-    return AsyncCallsQueue()
+def megatron_async_queue_class() -> type:
+    """megatron's own queue class of async requests (its temporal caller forks a process per request)."""
+    return AsyncCallsQueue
 
 
 def stock_load(sharded_state_dict: Any, checkpoint_dir: str, async_strategy: Optional[str]) -> Any:

@@ -38,6 +38,25 @@ LoadStrategyBase = TorchDistLoadShardedStrategy
 # options (core_v0.17.1, core_v0.18.2, core_r0.19.0). fastpersist_dist.megatron_lm replaces these two
 # names there.
 TRAINING_STRATEGY_SEAMS = ("TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy")
+# The name Megatron-LM's megatron/training/async_utils.py makes its --async-save queue through: megatron-core's
+# get_async_strategy(args.async_strategy), whose "AsyncCallsQueue" it constructs (0.17.1, 0.18.2, 0.19.2).
+MEGATRON_LM_ASYNC_SEAM = "get_async_strategy"
+QUEUE_MODULE = "AsyncCallsQueue"
+
+
+def megatron_lm_async_replacement(current: Any, queue_class: Callable[[Any], Any]) -> Any:
+    """What stands in for ``MEGATRON_LM_ASYNC_SEAM``: ``get_async_strategy`` answering, for the queue, the class
+    ``queue_class`` makes around the one megatron's answers; everything else as megatron's."""
+
+    def get_async_strategy(async_strategy: str = "nvrx", module: Optional[str] = None) -> tuple:
+        strategy, found = current(async_strategy, module)
+        if module == QUEUE_MODULE:
+            return strategy, queue_class(found)
+        if module is None:
+            return strategy, {**found, QUEUE_MODULE: queue_class(found[QUEUE_MODULE])}
+        return strategy, found
+
+    return get_async_strategy
 
 
 class FullyParallelSaveWrapper(FullyParallelSaveStrategyWrapper):
@@ -67,9 +86,9 @@ def request_type(async_strategy: Optional[str]) -> Callable[[Callable[..., None]
     return get_async_strategy(async_strategy or "mcore", "AsyncRequest")[1]
 
 
-def megatron_async_queue() -> Any:
-    """megatron's own queue for ``async_strategy="mcore"`` (``AsyncCallsQueue``)."""
-    return get_async_strategy("mcore", "AsyncCallsQueue")[1]()
+def megatron_async_queue_class() -> type:
+    """megatron's own queue class for ``async_strategy="mcore"`` (``AsyncCallsQueue``)."""
+    return get_async_strategy("mcore", "AsyncCallsQueue")[1]
 
 
 def stock_load(sharded_state_dict: Any, checkpoint_dir: str, async_strategy: Optional[str]) -> Any:

@@ -71,6 +71,11 @@ def replace(framework: str, modules: Sequence[ModuleType], replacements: Mapping
             setattr(module, name, replacement)
 
 
+def original(framework: str, module: ModuleType, name: str) -> Any:
+    """What ``framework`` had as ``module.name`` before the first :func:`replace` (what it has, before one)."""
+    return _originals.get((framework, module, name), getattr(module, name, None))
+
+
 def restore(framework: str) -> None:
     """Give ``framework``'s modules their own names back (no-op where nothing was replaced)."""
     for key in [key for key in _originals if key[0] == framework]:

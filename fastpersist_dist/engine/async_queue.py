@@ -28,6 +28,8 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 from ..util.errors import SaveFailedError
+from .status import write_and_report
+from .writer_process import write_in_writer
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,12 @@ def _call(index: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None
         fn(*args, **kwargs)
     except BaseException:  # noqa: BLE001 - ours never raise; another request's failure shows at finalize
         logger.exception("fastpersist: the async function of save %d raised", index)
+
+
+def runs_in_a_thread(request: Any) -> bool:
+    """Whether ``request`` is one of ours (its ``async_fn`` hands the job to the rank's writer process and waits,
+    or writes from this process), which a thread of this process serves without a caller process."""
+    return getattr(request, "async_fn", None) in (write_in_writer, write_and_report)
 
 
 class AsyncSaveQueue:

@@ -8,10 +8,13 @@ megatron-core. :func:`enable` replaces exactly those two names in that module
 and the name of the ``FullyParallelSaveStrategyWrapper`` it puts around ours
 (its default; off with ``--no-ckpt-fully-parallel-save``) with megatron's
 wrapper reporting our backend (``compat.FullyParallelSaveWrapper``).
-All else stays Megatron-LM's: the ``checkpointing_context`` cache, the
-fully-parallel load wrapper,
-``--async-save`` (its ``AsyncCallsQueue`` runs our ``AsyncRequest``),
-``metadata.json``, the tracker file and ``--load``::
+Its ``--async-save`` queue becomes :class:`~.megatron_lm_queue.MegatronLMQueue`
+(the name Megatron-LM's ``megatron/training/async_utils.py`` makes it by:
+``compat.MEGATRON_LM_ASYNC_SEAM``), which waits for our saves in a thread
+instead of forking the trainer per save, and hands other requests to
+megatron's queue. All else stays Megatron-LM's: the ``checkpointing_context``
+cache, the fully-parallel load wrapper, ``metadata.json``, the tracker file and
+``--load``::
 
     import fastpersist_dist.megatron_lm
     fastpersist_dist.megatron_lm.enable()
@@ -44,11 +47,13 @@ from ..strategies.fastpersist_load import FastPersistLoadStrategy
 from ..strategies.fastpersist_save import FastPersistSaveStrategy
 from ..util.config import TierConfig
 from ..util.errors import FastPersistError
+from .megatron_lm_queue import queue_class
 
 logger = logging.getLogger(__name__)
 
 FRAMEWORK = "Megatron-LM"
 TRAINING_MODULE = "megatron.training.checkpointing"
+ASYNC_MODULE = "megatron.training.async_utils"  # where Megatron-LM makes its --async-save queue
 ASYNC_FLAG = "--async-save"  # Megatron-LM's flag for asynchronous checkpoints
 USAGE = "usage: python -m fastpersist_dist.megatron_lm SCRIPT [ARGS...]  (e.g. pretrain_gpt.py and its arguments)"
 
@@ -128,18 +133,18 @@ def _value(argv: list[str], flag: str) -> Optional[str]:
     return found
 
 
-def _training_module() -> ModuleType:
+def _megatron_lm_module(name: str) -> ModuleType:
     try:
-        return importlib.import_module(TRAINING_MODULE)
+        return importlib.import_module(name)
     except ImportError as e:
         raise FastPersistError(
-            f"fastpersist_dist.megatron_lm needs Megatron-LM's {TRAINING_MODULE} importable (put the "
+            f"fastpersist_dist.megatron_lm needs Megatron-LM's {name} importable (put the "
             f"Megatron-LM checkout on PYTHONPATH): {e}"
         ) from e
 
 
 def enable(checkpoint_format: str = "torch_dist", *, target: Optional[ModuleType] = None,
-           **knobs: Any) -> FastPersistSaveStrategy:
+           async_target: Optional[ModuleType] = None, **knobs: Any) -> FastPersistSaveStrategy:
     """Make Megatron-LM's save and load path use FastPersist in this process; returns the save strategy.
 
     Call once per process before ``pretrain()`` (again to change settings).
@@ -155,15 +160,25 @@ def enable(checkpoint_format: str = "torch_dist", *, target: Optional[ModuleType
             (native; faster loads, read only through FastPersist).
         target: the module whose strategy names to replace; default Megatron-LM's
             ``megatron.training.checkpointing``.
+        async_target: the module whose async queue name to replace; default
+            Megatron-LM's ``megatron.training.async_utils`` where ``target`` is
+            not given, none where it is.
         knobs: :class:`FastPersistSaveStrategy` knobs (``io_buffer_mb`` ...).
     """
-    module = target if target is not None else _training_module()
+    module = target if target is not None else _megatron_lm_module(TRAINING_MODULE)
+    if async_target is None and target is None:
+        async_target = _megatron_lm_module(ASYNC_MODULE)
     save_name, load_name = compat.TRAINING_STRATEGY_SEAMS
     save_strategy = FastPersistSaveStrategy(checkpoint_format, **knobs)
     replacements = {**seams.factories({save_name: save_strategy, load_name: FastPersistLoadStrategy()}),
                     compat.WRAPPER_SEAM: compat.FullyParallelSaveWrapper}
-    seams.replace(FRAMEWORK, [module], replacements,
-                  "the way the one released with the installed megatron-core does; use matching versions")
+    mismatch = "the way the one released with the installed megatron-core does; use matching versions"
+    seams.replace(FRAMEWORK, [module], replacements, mismatch)
+    if async_target is not None:
+        seam = compat.MEGATRON_LM_ASYNC_SEAM
+        current = seams.original(FRAMEWORK, async_target, seam)  # None: replace() says the module lacks it
+        replacement = None if current is None else compat.megatron_lm_async_replacement(current, queue_class)
+        seams.replace(FRAMEWORK, [async_target], {seam: replacement}, mismatch)
     (logger.info if os.environ.get("RANK", "0") == "0" else logger.debug)(
         "fastpersist: Megatron-LM checkpoints (%s) now save with FastPersistSaveStrategy(%r) in place of %s "
         "and load with FastPersistLoadStrategy (checksums verified) in place of %s",

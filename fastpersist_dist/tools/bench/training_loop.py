@@ -56,6 +56,7 @@ from ...engine.directory import prepare_checkpoint_dir
 from ...engine.tiers.state import checkpoint_state, wait_durable
 from ...engine.writer_process import writer_client
 from ...format.tiers import DURABLE, local_copy_dir
+from ...integrations.megatron_lm_queue import queue_class
 from ...storage.host_copy import copy_to_host
 from ...storage.persistent import is_object_store
 from ...storage.shared_memory import SharedBuffer
@@ -143,10 +144,13 @@ class _Ours(_Checkpointer):
 
     uses_writer = True
 
-    def __init__(self, cfg: BenchConfig, megatron_queue: bool, tiers: Optional[TierConfig] = None):
+    def __init__(self, cfg: BenchConfig, megatron_queue: bool, tiers: Optional[TierConfig] = None,
+                 megatron_lm: bool = False):
         self._write = cfg.write
-        self._megatron = megatron_queue
-        self._queue: Any = compat.megatron_async_queue() if megatron_queue else AsyncSaveQueue()
+        self._megatron = megatron_queue or megatron_lm
+        # Megatron-LM's --async-save queue once megatron_lm.enable() ran: ours for our requests
+        queue = queue_class(compat.megatron_async_queue_class()) if megatron_lm else compat.megatron_async_queue_class()
+        self._queue: Any = queue() if self._megatron else AsyncSaveQueue()
         self._tiers = tiers
         self.tiered = tiers is not None
 
@@ -186,7 +190,7 @@ class _TorchDist(_Checkpointer):
     """megatron's torch_dist async save on megatron's own AsyncCallsQueue (fork, copy-on-write)."""
 
     def __init__(self, cfg: BenchConfig):
-        self._queue = compat.megatron_async_queue()
+        self._queue = compat.megatron_async_queue_class()()
 
     def shims(self) -> ContextManager[Any]:
         return torch_dist_cpu_shims()
@@ -207,6 +211,7 @@ CHECKPOINTERS: dict[str, Callable[["LoopConfig"], _Checkpointer]] = {
     "none": lambda loop: _None(),
     "torch_dist": lambda loop: _TorchDist(loop.bench),
     "fastpersist_megatron_queue": lambda loop: _Ours(loop.bench, megatron_queue=True),
+    "fastpersist_megatron_lm": lambda loop: _Ours(loop.bench, megatron_queue=False, megatron_lm=True),
     "fastpersist": lambda loop: _Ours(loop.bench, megatron_queue=False),
     "fastpersist_tiered": _tiered,
 }
@@ -215,12 +220,14 @@ WHAT = {
     "torch_dist": "megatron torch_dist async on megatron's AsyncCallsQueue (forks a caller per save)",
     "fastpersist_megatron_queue": "FastPersistSaveStrategy() per save on megatron's AsyncCallsQueue (forks a caller "
                                   "per save: copy-on-write while it writes)",
+    "fastpersist_megatron_lm": "FastPersistSaveStrategy() per save on the queue Megatron-LM's --async-save gets "
+                               "with fastpersist_dist.megatron_lm (ours for our saves: no caller forked)",
     "fastpersist": "FastPersistSaveStrategy() per save on AsyncSaveQueue (a thread per save; the rank's writer "
                    "process writes)",
     "fastpersist_tiered": "FastPersistSaveStrategy(local_dir=...) per save on AsyncSaveQueue: committed on the local "
                           "tier, then copied to the persistent tier in the background",
 }
-DEFAULT_LOOP_CONTENDERS = ("none", "torch_dist", "fastpersist_megatron_queue", "fastpersist")
+DEFAULT_LOOP_CONTENDERS = ("none", "torch_dist", "fastpersist_megatron_queue", "fastpersist_megatron_lm", "fastpersist")
 
 
 @dataclass(frozen=True)
