@@ -1,15 +1,21 @@
-"""The docs hold together: every relative link and anchor in README.md and docs/*.md resolves, and every
-``fastpersist-dist`` command they show names a subcommand and options the command line has."""
+"""The docs hold together: every relative link and anchor in README.md and docs/*.md resolves, every
+``fastpersist-dist`` command they show names a subcommand and options the command line has, and the API
+reference (docs/api.md: pdoc, from the docstrings) builds with every public name and its summary."""
 
 from __future__ import annotations
 
 import argparse
 import glob
+import html
+import inspect
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
+import fastpersist_dist
 from fastpersist_dist_cli import parser
 
 pytestmark = pytest.mark.engine
@@ -69,3 +75,19 @@ def test_every_command_shown_exists_with_its_options():
             unknown += [f"{page}: fastpersist-dist {name} {w}" for w in words
                         if w.startswith("--") and w.split("=")[0] not in options]
     assert not unknown, "\n".join(unknown)
+
+
+def test_the_api_reference_builds_with_every_public_name(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pdoc", "fastpersist_dist", "-o", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    page = (tmp_path / "fastpersist_dist.html").read_text()
+    missing = []
+    for name in fastpersist_dist.__all__:
+        value = getattr(fastpersist_dist, name)
+        if not (inspect.isclass(value) or inspect.isfunction(value)):
+            continue
+        summary = inspect.getdoc(value).splitlines()[0]
+        if f'id="{name}"' not in page or html.escape(summary, quote=False).split("``")[0][:40] not in page:
+            missing.append(f"{name}: {summary}")
+    assert not missing, "\n".join(missing)
