@@ -158,7 +158,7 @@ def parser() -> argparse.ArgumentParser:
                         "machine (default: none on a host; with a GPU, whose update alone takes milliseconds, a short "
                         "training step's worth; the run's first line says how much)")
     t.add_argument("--contenders", default=None, help="comma-separated, with 'none' (default: none, torch_dist, "
-                   "fastpersist_megatron_queue, fastpersist; also fastpersist_tiered)")
+                   "fastpersist_megatron_queue, fastpersist_megatron_lm, fastpersist; also fastpersist_tiered)")
     t.add_argument("--local-dir", help="the local tier of fastpersist_tiered (e.g. /dev/shm/ckpt, or an NVMe path)")
     t.add_argument("--persistent", help="the persistent tier of fastpersist_tiered: a directory or an msc:// URL "
                    "(default: the benchmark directory)")
