@@ -17,6 +17,7 @@ import pytest
 
 from fastpersist_dist import checkpoint_state, compat
 from fastpersist_dist.engine.index_reader import read_index
+from fastpersist_dist.engine.tiers.replicate import CHUNK_WAIT_ENV
 from fastpersist_dist.format.kinds import checkpoint_format
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import PENDING_DIR, TIERS_FILE, local_copy_dir
@@ -183,8 +184,9 @@ def test_a_node_killed_during_replication_loses_nothing(cluster):
     args = {"saves": [
         {"checkpoint": _ckpt(cluster, "s1"), "local_dir": cluster["local"], "step": 1, "wait_durable": True},
         {"checkpoint": _ckpt(cluster, "s2"), "local_dir": cluster["local"], "step": 2, "rows": REPLICA_ROWS,
-         "replicas": 1, "persistent": False, "wait_copies": True}]}
-    nodes = Nodes("save", args, cluster["nodes"], cluster["local"])
+         "replicas": 1, "persistent": False, "wait_copies": True}], "meet_timeout": 5}  # node 1 never comes
+    # where gloo does not notice the killed peer, the transfer to it ends once a chunk has not moved for this long
+    nodes = Nodes("save", args, cluster["nodes"], cluster["local"], env={CHUNK_WAIT_ENV: "10"})
     replica_of_0 = os.path.join(_node_copy(cluster, 1, "s2"), _data_file(0))
     deadline = time.monotonic() + 240
     while not any(n.startswith(f"{_data_file(0)}.") and n.endswith(TMP_SUFFIX) for n in _listdir(replica_of_0)):

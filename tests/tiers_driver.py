@@ -130,7 +130,7 @@ def main(action: str, args: dict) -> dict:
     else:
         result.update(_load(rank, world, args))
     wait_copies()  # the replicas travel over the process group
-    _meet_at_exit(world)
+    _meet_at_exit(world, args.get("meet_timeout", 30))
     dist.destroy_process_group()
     return result
 

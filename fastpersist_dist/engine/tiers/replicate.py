@@ -12,13 +12,17 @@ the rest of that file is received and dropped, so both ends stay in step.
 
 At the end every rank says whether its part went well (an all-reduce over the
 group); where all did, rank 0 records the checkpoint as ``replicated``. A peer
-that died makes the transfers with it fail at once; the checkpoint then stays
-``local``, and replication is off in this process from then on (the group
-is broken), said once.
+that died makes the transfers with it fail, at the latest once a chunk has not
+moved for a minute (``FASTPERSIST_REPLICA_CHUNK_WAIT_S``; gloo does not notice
+a killed peer: a send to it waits for the group's timeout otherwise, 30
+minutes); the checkpoint then stays ``local``,
+and replication is off in this process from then on (the group is broken),
+said once.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
@@ -40,6 +44,13 @@ from .state import advance
 logger = logging.getLogger(__name__)
 
 TAG = 4243
+CHUNK_WAIT_ENV = "FASTPERSIST_REPLICA_CHUNK_WAIT_S"
+
+
+def chunk_wait() -> datetime.timedelta:
+    """How long a chunk (at most 64 MiB: seconds of work even on a slow network) may take to be sent or received
+    before its peer counts as gone (default 60 s); the group's own timeout (30 minutes) is for the final agreement."""
+    return datetime.timedelta(seconds=float(os.environ.get(CHUNK_WAIT_ENV, "60")))
 
 
 @dataclass(frozen=True)
@@ -130,7 +141,7 @@ def _send(t: ReplicaTransfer, path: str, spans: list[Span], group: dist.ProcessG
         for i, chunk in enumerate(chunks):
             slot = i % len(buffers)
             if pending[slot] is not None:
-                pending[slot].wait()
+                pending[slot].wait(chunk_wait())
             view = buffers[slot][: chunk[-1].end - chunk[0].start]
             if fd is not None:
                 try:
@@ -149,7 +160,7 @@ def _send(t: ReplicaTransfer, path: str, spans: list[Span], group: dist.ProcessG
             pending[slot] = dist.isend(view, dst=t.dst, group=group, tag=TAG)
         for work in pending:
             if work is not None:
-                work.wait()
+                work.wait(chunk_wait())
     finally:
         if fd is not None:
             os.close(fd)
@@ -177,7 +188,7 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
         work = post(0) if chunks else None
         for i, chunk in enumerate(chunks):
             assert work is not None
-            work.wait()
+            work.wait(chunk_wait())
             data = buffers[i % len(buffers)][: chunk[-1].end - chunk[0].start]
             work = post(i + 1) if i + 1 < len(chunks) else None
             if out is None:
