@@ -28,7 +28,6 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 from ..util.errors import SaveFailedError
-from .status import write_and_report
 from .writer_process import write_in_writer
 
 logger = logging.getLogger(__name__)
@@ -57,9 +56,9 @@ def _call(index: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None
 
 
 def runs_in_a_thread(request: Any) -> bool:
-    """Whether ``request`` is one of ours (its ``async_fn`` hands the job to the rank's writer process and waits,
-    or writes from this process), which a thread of this process serves without a caller process."""
-    return getattr(request, "async_fn", None) in (write_in_writer, write_and_report)
+    """Whether ``request`` is one of ours (every async save's ``async_fn`` hands the job to the rank's writer
+    process and waits), which a thread of this process serves without a caller process."""
+    return getattr(request, "async_fn", None) is write_in_writer
 
 
 class AsyncSaveQueue:

@@ -55,11 +55,18 @@ def read_index(checkpoint_dir: str, who: str, wants: Optional[dict[str, list[Box
 def read_unchecked_index(checkpoint_dir: str, who: str,
                          wants: Optional[dict[str, list[Box]]] = None) -> CheckpointIndex:
     """``read_index`` without checking the files committed beside it: for reports that list those too."""
+    return read_top_and_records(checkpoint_dir, who, wants)[1]
+
+
+def read_top_and_records(checkpoint_dir: str, who: str, wants: Optional[dict[str, list[Box]]] = None
+                         ) -> tuple[Union[PagedIndex, CheckpointIndex], CheckpointIndex]:
+    """The committed top level (or whole index) as read, and the records of the pages ``wants`` meets (None:
+    all); unchecked, as :func:`read_unchecked_index`. For a rewrite of the top level (``engine/remove.py``)."""
     top = read_top(checkpoint_dir, who)
-    if isinstance(top, PagedIndex):
-        pages = top.pages if wants is None else select_pages(top, wants)
-        top = top.whole(read_page_bytes(str(checkpoint_dir), top, pages, who), f"{who}: {checkpoint_dir}")
-    return top
+    if not isinstance(top, PagedIndex):
+        return top, top
+    pages = top.pages if wants is None else select_pages(top, wants)
+    return top, top.whole(read_page_bytes(str(checkpoint_dir), top, pages, who), f"{who}: {checkpoint_dir}")
 
 
 def check_markers(checkpoint_dir: str, index: Union[CheckpointIndex, PagedIndex], who: str) -> None:

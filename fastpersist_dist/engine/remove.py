@@ -38,7 +38,7 @@ from ..format.records import CONTAINER_TORCH_SAVE, INDEX_FILE, CheckpointIndex, 
 from ..format.tiers import TIERS_FILE
 from ..storage.files import atomic_write, cannot_punch, punch_holes
 from ..util.errors import FastPersistError
-from .index_reader import read_page_bytes, read_top
+from .index_reader import read_top_and_records
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,7 @@ class Committed:
             raise FastPersistError(
                 f"{who}: {checkpoint_dir} is a tiered checkpoint: the copies in the nodes' local tiers keep their "
                 "own index, so keys cannot be removed from it in one place; load it and save it untiered instead")
-        top = read_top(checkpoint_dir, who)
-        index = top if isinstance(top, CheckpointIndex) else top.whole(
-            read_page_bytes(checkpoint_dir, top, top.pages, who), f"{who}: {checkpoint_dir}")
-        return cls(checkpoint_dir, top, index)
+        return cls(checkpoint_dir, *read_top_and_records(checkpoint_dir, who))
 
     def split(self, key_prefix: str) -> tuple[list[ShardRecord], list[ShardRecord]]:
         """(kept, removed) records."""
