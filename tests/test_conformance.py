@@ -27,7 +27,7 @@ from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy
 from fastpersist_dist.tools.bench.baselines import torch_dist_cpu_shims
 from fastpersist_dist.tools.ranks import run_ranks
 
-from .helpers import global_tensor, make_dir
+from .helpers import global_tensor, logged, make_dir
 
 pytestmark = pytest.mark.contract
 
@@ -205,17 +205,6 @@ def _check_values(scenario: str, per_rank: list) -> None:
 FAMILIES = (CheckpointingException, CheckpointException)
 
 
-class _Records(logging.Handler):
-    """The records fastpersist_dist logs at INFO or above while installed."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.seen: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.seen.append(f"{record.name}: {record.getMessage()}")
-
-
 def _strict_matrix(rank: int, world: int, backend: str, path: str) -> dict:
     """Each StrictHandling mode's outcome for a load asking "a" and "c" of a checkpoint of "a" and "b": the loaded
     values (and the missing and unexpected keys where the mode returns them), or the families of the error raised;
@@ -225,9 +214,7 @@ def _strict_matrix(rank: int, world: int, backend: str, path: str) -> dict:
     _save("torch_dist" if backend == "megatron" else backend,
           {k: ShardedTensor.from_rank_offsets(k, t[rank : rank + 1].clone(), (0, rank, WORLD)) for k in ("a", "b")},
           path)
-    records, ours = _Records(), logging.getLogger("fastpersist_dist")
-    ours.addHandler(records)
-    ours.setLevel(logging.INFO)  # as a trainer that shows INFO records
+    records = logged(level=logging.INFO)  # as a trainer that shows INFO records
     outcomes = {}
     for mode in StrictHandling:
         req = {k: ShardedTensor.from_rank_offsets(k, torch.zeros(1, 4), (0, rank, WORLD)) for k in ("a", "c")}
@@ -239,9 +226,7 @@ def _strict_matrix(rank: int, world: int, backend: str, path: str) -> dict:
             continue
         loaded, *mismatch = got if isinstance(got, tuple) else (got,)
         outcomes[mode.name] = ("loaded", loaded["a"].tolist(), [sorted(keys) for keys in mismatch])
-    ours.removeHandler(records)
-    ours.setLevel(logging.NOTSET)
-    return {"outcomes": outcomes, "logged": records.seen}
+    return {"outcomes": outcomes, "logged": [f"{r.name}: {r.getMessage()}" for r in records]}
 
 
 def test_every_strict_handling_mode_as_megatrons_backend(tmp_path):

@@ -25,7 +25,7 @@ from fastpersist_dist.tools.bench.baselines import torch_dist_cpu_shims
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.util.errors import CorruptCheckpointError
 
-from .helpers import global_tensor, make_dir
+from .helpers import flip_bit, global_tensor, make_dir
 
 pytestmark = [
     pytest.mark.contract,
@@ -41,22 +41,14 @@ def _sd(rank: int, empty: bool = False) -> dict:
     return {"w": ShardedTensor.from_rank_offsets("w", t, (0, rank, WORLD))}
 
 
-def _flip(path: str, name: str, offset: int) -> None:
-    with open(os.path.join(path, name), "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
 def _flip_a_bit_of_every_shard(path: str) -> None:
     """In each stored shard of "w" (ours: found through the index); in megatron's, somewhere in its first file."""
     if not os.path.exists(os.path.join(path, INDEX_FILE)):
-        _flip(path, sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0], 100)
+        flip_bit(os.path.join(path, sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]), 100)
         return
     for r in read_index(path, "test").records:
         if r.key == "w":
-            _flip(path, r.file, r.offset + r.data_offset + 8)
+            flip_bit(os.path.join(path, r.file), r.offset + r.data_offset + 8)
 
 
 def _outcome(fn: Any) -> Any:
