@@ -1,7 +1,8 @@
 """Each virtualenv keeps its own built DeepSpeed ops: using one venv never rebuilds another's;
 a CUDA arch list DeepSpeed cannot parse does not stop them from building; a failed build advises
 installing libaio only where DeepSpeed finds none; DeepSpeed imported after ``init_process_group`` leaves the
-world group to ``destroy_process_group``.
+world group to ``destroy_process_group``; py-cpuinfo, which DeepSpeed asks at every load of an op, is asked
+once per machine.
 
 The venv test needs a second venv: ``FASTPERSIST_OTHER_PYTHON=<other venv>/bin/python`` (``.ci/run``
 sets it in its second run, pointing at the first).
@@ -16,6 +17,7 @@ import sys
 
 import pytest
 
+from fastpersist_dist.storage import cpu_info
 from fastpersist_dist.storage.deepspeed_ops import _arch_list_deepspeed_sorts, _libaio_hint, use_venv_extension_cache
 
 pytestmark = pytest.mark.engine
@@ -133,3 +135,66 @@ def test_deepspeed_imported_after_init_leaves_the_world_group_to_destroy_process
     proc = subprocess.run([sys.executable, "-c", AFTER_INIT], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.split()[-1] == "2", "something still holds the world process group after destroy_process_group"
+
+
+PROC_CPUINFO = """processor\t: {n}
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480C
+cpu MHz\t\t: {mhz}
+flags\t\t: fpu sse2 avx2 {extra}
+bogomips\t: {mhz}
+
+"""
+
+
+def test_a_cpu_is_known_by_its_model_and_flags_not_its_clock():
+    one = PROC_CPUINFO.format(n=0, mhz="2000.000", extra="avx512f") + PROC_CPUINFO.format(n=1, mhz="2000.000",
+                                                                                          extra="avx512f")
+    key = cpu_info.cpu_identity(one, "x86_64")
+    assert key == cpu_info.cpu_identity(PROC_CPUINFO.format(n=0, mhz="3712.5", extra="avx512f"), "x86_64")
+    assert key != cpu_info.cpu_identity(PROC_CPUINFO.format(n=0, mhz="2000.000", extra=""), "x86_64")
+    assert key != cpu_info.cpu_identity(one, "aarch64")
+
+
+def test_the_cpu_answer_is_asked_once_kept_in_its_file_and_asked_again_when_unreadable(tmp_path):
+    asked = []
+
+    def ask():
+        asked.append(1)
+        return {"arch": "X86_64", "flags": ["avx2"]}
+
+    path = str(tmp_path / "ext" / "cpuinfo-0123456789abcdef.json")
+    first = cpu_info._cached(ask, path)
+    assert first() == first() == {"arch": "X86_64", "flags": ["avx2"]} and len(asked) == 1
+    assert cpu_info._cached(ask, path)() == {"arch": "X86_64", "flags": ["avx2"]} and len(asked) == 1  # its file
+    with open(path, "w") as f:
+        f.write('{"arch": "X86')  # cut short
+    assert cpu_info._cached(ask, path)()["arch"] == "X86_64" and len(asked) == 2
+    assert json.load(open(path)) == {"arch": "X86_64", "flags": ["avx2"]}  # rewritten whole
+    failed = str(tmp_path / "failed.json")
+    assert cpu_info._cached(dict, failed)() == {} and not os.path.exists(failed)  # a failed probe is not kept
+
+
+# Loads the ops as a save does, counting py-cpuinfo's probes (each a new Python process); prints the count.
+COUNTED_PROBES = """
+import cpuinfo
+probes = []
+probe = cpuinfo.get_cpu_info_json
+cpuinfo.get_cpu_info_json = lambda: probes.append(1) or probe()
+from fastpersist_dist.storage.deepspeed_ops import aio_module, ensure_fast_file_writer_usable
+aio_module()
+ensure_fast_file_writer_usable()
+print(len(probes))
+"""
+
+
+def test_loading_the_ops_probes_the_cpu_at_most_once_per_machine():
+    """DeepSpeed asks py-cpuinfo at every op load (about a second each, twice for async_io) in every rank and
+    writer process; the first load on a machine probes, the file in the ops cache answers the next ones."""
+    counts = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", COUNTED_PROBES], capture_output=True, text=True, timeout=600,
+                              cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        counts.append(int(proc.stdout.split()[-1]))
+    assert counts[0] <= 1 and counts[1] == 0, counts

@@ -1,6 +1,6 @@
 """Access to DeepSpeed's native ops: the ``async_io`` handle and the ``utils`` op.
 
-Five traps of DeepSpeed 0.19 and the torch JIT build under it are handled here, once:
+Six traps of DeepSpeed 0.19 and the torch JIT build under it are handled here, once:
 
 * On a CPU-only torch the accelerator maps ``UtilsBuilder`` to
   ``NotImplementedBuilder``, so ``FastFileWriter()`` raises. The generic
@@ -25,6 +25,8 @@ Five traps of DeepSpeed 0.19 and the torch JIT build under it are handled here, 
 * torch's JIT build waits without end on a build lock that a process killed
   while building left behind: ``build_locks`` clears such a lock, and bounds
   the wait for a live one.
+* Every load of an op asks py-cpuinfo for the CPU (a new Python process, about
+  a second, twice per load): ``cpu_info`` answers from a file per machine.
 
 The ops are built (JIT, minutes) into ``<venv>/torch_ext`` unless the user's
 ``TORCH_EXTENSIONS_DIR`` says otherwise: one cache per virtualenv, also for a
@@ -48,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..util.config import AioSettings
+from . import cpu_info
 from .build_locks import loading_ops
 
 logger = logging.getLogger(__name__)
@@ -98,10 +101,11 @@ def _arch_list_deepspeed_sorts() -> Iterator[None]:
 
 @contextmanager
 def _loading_ops() -> Iterator[None]:
-    """Around DeepSpeed's load of an op: no wait on a build lock a dead process left (``build_locks``), and
-    an arch list its JIT build can sort."""
+    """Around DeepSpeed's load of an op: no wait on a build lock a dead process left (``build_locks``), an
+    arch list its JIT build can sort, and the CPU's description from this machine's file."""
     who = f"rank {os.environ['RANK']} (pid {os.getpid()})" if "RANK" in os.environ else f"pid {os.getpid()}"
-    with loading_ops(os.environ["TORCH_EXTENSIONS_DIR"], who), _arch_list_deepspeed_sorts():
+    ext_dir = os.environ["TORCH_EXTENSIONS_DIR"]
+    with loading_ops(ext_dir, who), _arch_list_deepspeed_sorts(), cpu_info.answered_once(ext_dir):
         yield
 
 
