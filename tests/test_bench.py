@@ -27,8 +27,8 @@ from fastpersist_dist.tools.bench.sweep import SEARCH, format_sweep
 from fastpersist_dist.tools.bench.training_loop import DEFAULT_LOOP_CONTENDERS, LoopConfig
 from fastpersist_dist.tools.ranks import RanksFailed
 from fastpersist_dist.util.config import WriteConfig
-from fastpersist_dist.util.quiet import LOGGED, WARNINGS
-from fastpersist_dist_cli import DEFAULT_CONTENDERS
+from fastpersist_dist.util.quiet import LOGGED, QUIET_ENV, WARNINGS
+from fastpersist_dist_cli import DEFAULT_CONTENDERS, main
 
 pytestmark = pytest.mark.engine
 
@@ -186,12 +186,21 @@ def test_loop_report_sets_saves_that_overlapped_apart():
     assert row["durable_alone_x_sync"] == pytest.approx(0.6)
 
 
-def test_bench_train_rejects_bad_arguments():
-    for args in (["--contenders", "fastpersist"], ["--steps", "3", "--every", "3"], ["--contenders", "none,nope"],
-                 ["--compute-ms", "-1"], ["--contenders", "none,fastpersist_tiered"]):
-        proc = subprocess.run([sys.executable, "-m", "fastpersist_dist_cli", "bench-train", *args],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and "bench-train:" in proc.stderr, (args, proc.stderr[-2000:])
+def test_bench_train_rejects_bad_arguments(monkeypatch, capsys):
+    """Refused before anything runs: the command line once in a process of its own, the rest through main()."""
+    proc = subprocess.run([sys.executable, "-m", "fastpersist_dist_cli", "bench-train", "--contenders", "fastpersist"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "bench-train:" in proc.stderr, proc.stderr[-2000:]
+    for name in ("PYTORCH_NVML_BASED_CUDA_CHECK", QUIET_ENV):  # main() sets them for the processes it starts
+        monkeypatch.delenv(name, raising=False)
+    for args in (["--steps", "3", "--every", "3"], ["--contenders", "none,nope"], ["--compute-ms", "-1"],
+                 ["--contenders", "none,fastpersist_tiered"]):
+        try:
+            code = main(["bench-train", *args])
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and "bench-train:" in err, (args, err[-2000:])
 
 
 @pytest.mark.slow
