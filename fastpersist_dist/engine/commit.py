@@ -5,8 +5,8 @@
    file of either format that this save does not rewrite and the index part files:
    a crash from here on leaves a directory that is recognisably incomplete. A data
    file this save rewrites is unlinked by its own writer just before it writes
-   (step 2): unlinking a large file takes time (0.06 s per 0.5 GiB on ext4 here),
-   which the save call would otherwise spend on rank 0 while every rank waits.
+   (step 2): unlinking a large file takes time (it frees every extent), which the
+   save call would otherwise spend on rank 0 while every rank waits.
 2. Each writer streams its data file, fsyncs it, checks its size, reads
    sampled blocks back from the device and leaves a status file (records +
    checksums, or the error). The writer may run in another process (async

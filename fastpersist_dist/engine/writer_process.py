@@ -1,7 +1,7 @@
 """The rank's persistent writer process: async saves are written there, not in the trainer.
 
 Forking a writer per async save costs every save a new aio handle and locked
-bounce buffer (0.2 to 1.35 s measured), and while the forked process lives,
+bounce buffer (a large page-locked allocation), and while the forked process lives,
 every page the trainer modifies is copied once (copy-on-write): the training
 loop pays for it. One writer per rank, started once with a fresh interpreter
 (no pages shared with the trainer), owns its aio handle and bounce buffer

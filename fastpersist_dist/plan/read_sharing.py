@@ -17,8 +17,8 @@ the next one goes to a rank that wants it and stays within its share,
 preferring the rank that reads most of that file alone (its reads fill the
 gaps between those), then the least loaded. So each rank reads long runs of a
 file in large sequential reads and the bytes read per rank stay even
-(choosing the least loaded rank per cluster interleaved the ranks' records:
-3x as many, smaller reads, 1.3 s instead of 1.05 s, measured). Needs that share only a boundary block (row-split
+(choosing the least loaded rank per cluster interleaved the ranks' records into
+many more, smaller reads, and the load took longer). Needs that share only a boundary block (row-split
 loads of a row-split save) are not worth a transfer and stay local.
 
 Last, a rank's read of a few MiB lying alone between another rank's reads of
@@ -26,9 +26,8 @@ the same extent (the top rows of a column-split piece, loaded split by rows)
 is taken over by that rank, whose reads then run on through it instead of
 stopping short of it, and the device is spared a small read it serves at a
 queue depth of one. At most ``absorb_max`` bytes each, and a rank takes them
-while it stays within an even share plus ``ABSORB_ALLOWANCE``. Measured on the
-2-rank resharded bench load (disk, gloo): 27 reads per rank became 8, 0.43 GiB
-sent each way instead of 0.33, 0.87 s became 0.70 s (0.69x to 0.85x the read bound).
+while it stays within an even share plus ``ABSORB_ALLOWANCE``: a few more bytes
+sent between ranks for far fewer reads (docs/performance.md).
 
 Where a rank can read only some files (a tiered checkpoint not yet durable:
 each node holds its own ranks' files), ``readable`` says which: a cluster is

@@ -5,12 +5,11 @@ copy reads every destination cache line before overwriting it (read for
 ownership): three bytes of memory traffic per byte copied instead of two, and a
 snapshot of several GiB flushed through the caches the training loop uses.
 glibc's ``memcpy`` switches to streaming stores only for single copies above its
-non-temporal threshold (240 MiB on the development VM), far above a snapshot's
+non-temporal threshold (hundreds of MiB, set from the cache size), far above a snapshot's
 records (a few MiB each), and torch's ``copy_`` never does. So a 30-line C
 routine (``stream_copy.c``) does it, compiled with the system's C compiler on
 first use (``load_ops`` does that at start-up) and cached by its source's hash,
-as DeepSpeed builds its ops. Two ranks copying 0.485 GiB each at once on the
-development VM: 0.042 s against 0.064 s for ``copy_``.
+as DeepSpeed builds its ops (docs/async.md has the copy's measured cost).
 
 Where it cannot be built (not x86-64, no compiler) the copy is torch's ``copy_``,
 with one warning; so is any copy it does not apply to (a device or strided
@@ -134,8 +133,8 @@ def copies_on_this_thread() -> Iterator[None]:
     """Run FastFileWriter's bounce-buffer fills (torch ``copy_``) on the calling thread alone.
 
     torch's intra-op pool spins for as much CPU again as a large copy takes,
-    beside the checksum thread; one thread copies as fast here (measured with
-    scripts/writer_ab.py). A synchronous save blocks the trainer, so the
+    beside the checksum thread, where one thread copies about as fast (compare
+    with scripts/writer_ab.py). A synchronous save blocks the trainer, so the
     process-wide setting is restored before anything else runs.
     """
     threads = torch.get_num_threads()

@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 MAX_READ_GAP = 256 << 10
 # Staging buffers larger than this are avoided by splitting the request.
 MAX_STAGING_BYTES = 256 << 20
-# One pread of at most this much: cold buffered reads ran at 1.4 GiB/s in 8 MiB
-# calls here, 0.7 GiB/s in 64 MiB calls and 0.44 GiB/s in one 1 GiB call.
+# One pread of at most this much: cold buffered reads in calls of a few MiB keep the kernel's
+# readahead ahead of the copy; far larger calls ran at a fraction of that speed.
 READ_CALL_BYTES = 8 << 20
 # Whole-record verification reads this much at a time.
 VERIFY_CHUNK_BYTES = 64 << 20
@@ -253,8 +253,7 @@ class ShardReader:
         """``nbytes`` of this thread's staging buffer, kept for the reader's next reads.
 
         A fresh buffer per read faults in fresh pages every time: on tmpfs, where a
-        pread is a memory copy, that made a resharded 2-rank load (1.6 GiB of strided
-        reads per rank) take 0.93 s; reused, see docs/performance.md.
+        pread is a memory copy, the page faults would cost more than the reads.
         """
         buf = getattr(self._local, "buffer", None)
         if buf is None or buf.numel() < nbytes:

@@ -9,8 +9,8 @@ freed with the last process that maps it. Pages are allocated and mapped up
 front, so that the first snapshot into a buffer copies at memory speed instead
 of taking a page fault per 4 KiB: by the trainer, which writes them, for
 writing (``MADV_POPULATE_WRITE``; ``MAP_POPULATE`` maps a shared mapping's pages
-for reading only, and the first copy into 0.86 GiB so populated took 0.078 to
-0.091 s against 0.052 to 0.063 s for the next, scripts/snapshot_floor.py); by the writer
+for reading only, and the first copy into a buffer so populated is still slower
+than the next: scripts/snapshot_floor.py measures both); by the writer
 process, which only reads them, for reading.
 """
 

@@ -40,9 +40,8 @@ logger = logging.getLogger(__name__)
 # One slot of the double buffer (at most half the locked buffer: the default 256 MiB buffer's
 # halves). A read's last aio blocks drain the device's queue before the next read is
 # submitted (DeepSpeed's wait() waits for every pending block), so fewer, larger reads keep
-# it fuller: 128 MiB slots read at 0.90 to 0.97x the device bound, 64 MiB ones at 0.62 to
-# 0.75x (disk, 1 and 2 ranks, docs/performance.md), whose first read and last copy, which
-# nothing overlaps, were shorter.
+# it fuller: 128 MiB slots read close to the device bound, 64 MiB ones well below it, though
+# their first read and last copy, which nothing overlaps, are shorter (docs/performance.md).
 SLOT_BYTES = 128 << 20
 # O_DIRECT offsets, lengths and addresses are multiples of this (the logical block of
 # most devices and the page size; DeepSpeed's own minimum is 512).

@@ -218,8 +218,7 @@ def balanced_order(names: Sequence[T], rep: int) -> list[T]:
     other one equally often (once per ``n`` rounds for an even number ``n`` of
     them, twice per ``2n`` for an odd one), because one contender's run slows the
     next: with a plain rotation the same contender always ran right after the
-    device bound, and on /dev/shm that save took 0.15 to 0.3 s longer
-    (docs/performance.md). Over the same rounds each takes every position equally often.
+    device bound, and on /dev/shm that save was measurably slower. Over the same rounds each takes every position equally often.
     """
     n = len(names)
     if n == 0:
@@ -285,7 +284,7 @@ def _blank(sh: Any) -> Any:
     """A load template like a resuming trainer's: existing (written, so mapped) tensors, not fresh pages.
 
     Into never-touched memory every loader pays a page fault per 4 KiB (a copy
-    into it ran at 1.7 GiB/s here against 17 GiB/s into written memory): the cost
+    into it runs an order of magnitude slower than into written memory): the cost
     of allocating, which the device read bound does not pay either.
     """
     from megatron.core.dist_checkpointing import ShardedTensor

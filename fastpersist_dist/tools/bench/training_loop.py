@@ -83,7 +83,7 @@ ACCELERATOR_COMPUTE_MS = 250.0
 
 def default_compute_ms() -> float:
     """Matmul time per step when not given: none on a host, where rewriting the state is a step's
-    worth of memory traffic (about 50 ms for 0.5 GiB), and ``ACCELERATOR_COMPUTE_MS`` on a GPU, which
+    worth of memory traffic, and ``ACCELERATOR_COMPUTE_MS`` on a GPU, which
     rewrites it in milliseconds: saves every 10 steps would otherwise always overlap, whatever the backend."""
     return ACCELERATOR_COMPUTE_MS if torch.cuda.is_available() else 0.0
 
