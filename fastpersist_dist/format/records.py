@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -268,10 +268,15 @@ def check_file_name(name: Any, where: str, container: str = CONTAINER_RAW) -> No
         raise CorruptCheckpointError(f"{where}: illegal data file name {name!r}")
 
 
+_RECORD_FIELDS = tuple(f.name for f in fields(ShardRecord))
+
+
 def record_to_json(r: ShardRecord, container: str = CONTAINER_RAW) -> dict:
-    """JSON object for one record (tuples become lists; no ``data_offset`` without a container)."""
-    d = asdict(r)
-    d["checksums"] = list(r.checksums)
+    """JSON object for one record (its tuples dump as lists; no ``data_offset`` without a container).
+
+    Field by field: ``asdict`` deep-copies every tuple, a good part of a small save's commit.
+    """
+    d = {name: getattr(r, name) for name in _RECORD_FIELDS}
     if container == CONTAINER_RAW:
         del d["data_offset"]
     return d
