@@ -22,6 +22,8 @@ import platform
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
+from .files import unlink_quietly
+
 logger = logging.getLogger(__name__)
 
 # The lines of /proc/cpuinfo that identify what a compiler targets; clock speed and bogomips vary.
@@ -61,6 +63,7 @@ def _cached(ask: Callable[[], dict], path: Optional[str]) -> Callable[[], dict]:
                 pass
         fresh = ask()
         if fresh and path is not None:  # py-cpuinfo returns {} when its probe failed: not kept
+            # A temp name per process, not storage.files.atomic_write's one: a node's ranks write it at once.
             tmp = f"{path}.{os.getpid()}.tmp"
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -68,6 +71,7 @@ def _cached(ask: Callable[[], dict], path: Optional[str]) -> Callable[[], dict]:
                     json.dump(fresh, f)
                 os.replace(tmp, path)
             except OSError as e:
+                unlink_quietly(tmp)
                 logger.debug("cpu info not cached in %s: %s", path, e)
         answer.update(fresh)
         return dict(fresh)

@@ -143,8 +143,9 @@ def prepare_direct_writes(cfg: WriteConfig) -> None:
     """Make this process's aio handle and locked bounce buffer for ``cfg`` now, not in its first write.
 
     For the async writer process, before it serves: made inside the first job,
-    they would delay that save while a training loop keeps the cores busy. Never in a trainer that may fork (a handle made before ``fork`` hangs
-    in the child). What fails here fails again in the write, which falls back
+    they would delay that save while a training loop keeps the cores busy.
+    Never in a trainer that may fork (a handle made before ``fork`` hangs in
+    the child). What fails here fails again in the write, which falls back
     or raises with the cause.
     """
     if cfg.direct_io == "off" or not aio_available():

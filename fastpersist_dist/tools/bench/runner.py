@@ -218,7 +218,8 @@ def balanced_order(names: Sequence[T], rep: int) -> list[T]:
     other one equally often (once per ``n`` rounds for an even number ``n`` of
     them, twice per ``2n`` for an odd one), because one contender's run slows the
     next: with a plain rotation the same contender always ran right after the
-    device bound, and on /dev/shm that save was measurably slower. Over the same rounds each takes every position equally often.
+    device bound, and on /dev/shm that save was measurably slower. Over the same
+    rounds each takes every position equally often.
     """
     n = len(names)
     if n == 0:
