@@ -1,0 +1,137 @@
+"""A data file copied between tiers: every block checked on the way, the destination whole or absent.
+
+The window plan is pure and checked against its definition; the copy runs on
+real files, to the disk (O_DIRECT) and to tmpfs (buffered), with windows far
+smaller than the default so that blocks straddle windows.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastpersist_dist.format.checksum import digest_bytes
+from fastpersist_dist.format.records import ShardRecord
+from fastpersist_dist.storage.copy import DIRECT_ALIGN, Span, block_spans, copy_checked, window_plan
+from fastpersist_dist.storage.files import TMP_SUFFIX
+from fastpersist_dist.util.errors import CorruptCheckpointError, FastPersistError
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 4096 + 48  # blocks that never line up with O_DIRECT's alignment
+
+
+def _records(data: bytes, lengths: list[int]) -> list[ShardRecord]:
+    """Records of ``lengths`` bytes back to back over ``data``, with their block checksums."""
+    records, offset = [], 0
+    for i, n in enumerate(lengths):
+        sums = tuple(digest_bytes(data[offset + b : offset + min(n, b + BLOCK)]) for b in range(0, n, BLOCK))
+        records.append(ShardRecord(f"t{i}", "tensor", "uint8", (n,), (n,), (0,), None, 0, None, 0, "f.distcp",
+                                   offset, n, sums))
+        offset += n
+    assert offset == len(data)
+    return records
+
+
+def _file(tmp_path: Path, lengths: list[int], seed: int = 0) -> tuple[str, bytes, list[Span]]:
+    data = np.random.default_rng(seed).integers(0, 256, sum(lengths), dtype=np.uint8).tobytes()
+    src = str(tmp_path / "src.distcp")
+    with open(src, "wb") as f:
+        f.write(data)
+    return src, data, block_spans(_records(data, lengths), BLOCK, len(data), src)
+
+
+LENGTHS = [[], [1], [4095], [DIRECT_ALIGN], [3 * BLOCK + 5], [100, 70_000, 9, 33_333, 200_000, 4 * BLOCK]]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("window", [1, 8192, 20_000, 1 << 20])
+def test_the_window_plan_writes_every_byte_once_and_checks_every_block_once(tmp_path, lengths, window):
+    _, data, spans = _file(tmp_path, lengths)
+    windows = window_plan(spans, len(data), window)
+    if not data:
+        assert windows == []
+        return
+    step = windows[0].stop - windows[0].start
+    assert windows[0].start == 0 and step % DIRECT_ALIGN in (0, len(data) % DIRECT_ALIGN)
+    assert all(w.stop - w.start == step >= window and step % DIRECT_ALIGN == 0 for w in windows[:-1])
+    assert windows[-1].stop - windows[-1].start <= step
+    assert all(a.stop == b.start for a, b in zip(windows, windows[1:]))
+    assert (windows[-1].stop if windows else 0) == len(data)
+    assert [s for w in windows for s in w.spans] == spans  # each block checked once, in order
+    for i, w in enumerate(windows):
+        assert all(w.start <= s.start < w.stop for s in w.spans)
+        assert w.read_end == max([w.stop] + [s.end for s in w.spans])
+        assert w.read_end - w.stop < max(step, DIRECT_ALIGN)  # a block spills into the next window only
+        if i + 1 < len(windows):  # what spills is carried: the next window starts where this one stopped
+            assert w.read_end <= windows[i + 1].stop
+
+
+def test_a_window_smaller_than_a_block_grows_to_hold_one(tmp_path):
+    _, data, spans = _file(tmp_path, [5 * BLOCK])
+    windows = window_plan(spans, len(data), 1)
+    assert windows[0].stop - windows[0].start == -(-BLOCK // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+@pytest.fixture(params=["disk", "tmpfs"])
+def dst_dir(request, tmp_path) -> str:
+    """A destination on the disk (written with O_DIRECT) or on tmpfs (buffered)."""
+    if request.param == "disk":
+        return str(tmp_path)
+    return request.getfixturevalue("shm_dir")
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("window", [8192, 20_000, 1 << 20])
+def test_a_copy_is_the_same_bytes(tmp_path, dst_dir, lengths, window):
+    src, data, spans = _file(tmp_path, lengths)
+    dst = os.path.join(dst_dir, "dst.distcp")
+    copy_checked(src, dst, spans, len(data), "rank 0", window)
+    with open(dst, "rb") as f:
+        assert f.read() == data
+    assert not [n for n in os.listdir(dst_dir) if n.endswith(TMP_SUFFIX)]
+
+
+@pytest.mark.parametrize("where", [0, 20_000, 20_000 + BLOCK // 2, -1])
+def test_a_flipped_byte_in_the_source_is_named_and_nothing_is_written(tmp_path, dst_dir, where):
+    """Wherever the damage is (first window, a block that straddles two windows, the last byte), the copy
+    stops naming the file and the offset, and the destination stays as it was: absent."""
+    src, data, spans = _file(tmp_path, [100, 70_000, 9, 33_333, 200_000])
+    offset = where % len(data)
+    with open(src, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes([data[offset] ^ 0x10]))
+    dst = os.path.join(dst_dir, "dst.distcp")
+    with pytest.raises(CorruptCheckpointError) as e:
+        copy_checked(src, dst, spans, len(data), "rank 3", 20_000)
+    block_start = max(s.start for s in spans if s.start <= offset)
+    assert f"rank 3: checksum mismatch in {src} at byte offset {block_start} " in str(e.value)
+    assert not [n for n in os.listdir(dst_dir) if n.startswith("dst.distcp")]
+
+
+def test_a_source_of_the_wrong_size_or_missing_is_refused(tmp_path, dst_dir):
+    src, data, spans = _file(tmp_path, [70_000])
+    dst = os.path.join(dst_dir, "dst.distcp")
+    with open(src, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(CorruptCheckpointError, match=f"rank 1: {src} has {len(data) + 1} bytes, the index says "
+                                                     f"{len(data)}"):
+        copy_checked(src, dst, spans, len(data), "rank 1")
+    os.unlink(src)
+    with pytest.raises(FastPersistError, match=f"rank 1: {src} is missing"):
+        copy_checked(src, dst, spans, len(data), "rank 1")
+    assert not [n for n in os.listdir(dst_dir) if n.startswith("dst.distcp")]
+
+
+def test_a_copy_replaces_an_older_file_whole(tmp_path, dst_dir):
+    """The destination is renamed into place: a longer older file is not left with a tail of old bytes."""
+    dst = os.path.join(dst_dir, "dst.distcp")
+    with open(dst, "wb") as f:
+        f.write(b"\xff" * 300_000)
+    src, data, spans = _file(tmp_path, [70_000, 5], seed=1)
+    copy_checked(src, dst, spans, len(data), "rank 0", 8192)
+    with open(dst, "rb") as f:
+        assert f.read() == data
