@@ -18,7 +18,7 @@ import pytest
 from fastpersist_dist import checkpoint_state, compat
 from fastpersist_dist.engine.index_reader import read_index
 from fastpersist_dist.engine.tiers.replicate import CHUNK_WAIT_ENV
-from fastpersist_dist.format.kinds import checkpoint_format
+from fastpersist_dist.format.kinds import DCP_METADATA_FILE, checkpoint_format
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import PENDING_DIR, TIERS_FILE, local_copy_dir
 from fastpersist_dist.storage.files import TMP_SUFFIX
@@ -175,6 +175,19 @@ def test_a_local_only_checkpoint_that_lost_a_node_is_refused_naming_the_newest_d
     assert f"the newest durable checkpoint beside it is {_ckpt(cluster, 's1')}" in error, error
     # rank 0 had its copy: it raises naming rank 1, instead of waiting for it
     assert "a rank sharing its reads failed: group rank 1" in loaded[0]["error"], loaded[0]
+
+
+@pytest.mark.engine
+def test_an_overwritten_durable_checkpoint_is_never_mixed_with_the_new_one(cluster):
+    """s1 durable, then saved again (local only): the old commit markers leave the persistent directory when
+    the new save starts, so under that name only the new checkpoint loads, from the local tiers."""
+    saved = _save(cluster, {"name": "s1", "step": 1, "wait_durable": True},
+                  {"name": "s1", "step": 2, "persistent": False})
+    assert all(r["saves"][0]["durable"] and r["saves"][1]["state"] == "local" for r in saved), saved
+    left = set(os.listdir(_ckpt(cluster, "s1")))
+    assert TIERS_FILE in left and not left & {INDEX_FILE, DCP_METADATA_FILE}, left
+    loaded = _load(cluster, "s1", 2)
+    assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
 
 
 @pytest.mark.engine

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from ..util.errors import FastPersistError
@@ -207,6 +208,19 @@ class MscDir(PersistentDir):
         dirs = sorted(o.key.rstrip("/").rpartition("/")[2] for o in listed if o.type == "directory")
         here = self._prefix.rpartition("/")[2]
         return [MscDir(f"{parent}/{d}") for d in dirs if d != here]
+
+
+def write_at_once(writes: list[tuple[PersistentDir, str, bytes]]) -> None:
+    """``dir.write(name, data)`` for each of ``writes``, all sent at once: to an object store each is a request
+    of its own, and a caller waits one round trip for them instead of one per file. Raises the first failure
+    after every write ended."""
+    if len(writes) < 2:
+        for where, name, data in writes:
+            where.write(name, data)
+        return
+    with ThreadPoolExecutor(len(writes), thread_name_prefix="fastpersist-put") as pool:
+        for done in [pool.submit(where.write, name, data) for where, name, data in writes]:
+            done.result()
 
 
 def checkpoint_url(checkpoint_dir: Any) -> str:

@@ -31,7 +31,7 @@ from ...format.records import INDEX_FILE
 from ...format.tiers import LOCAL, TIERS_FILE, TierManifest, local_copy_dir
 from ...plan.replicas import replica_nodes
 from ...storage.files import atomic_write, fsync_path, unlink_quietly
-from ...storage.persistent import persistent_dir
+from ...storage.persistent import persistent_dir, write_at_once
 from ...util.config import TierConfig
 from ...util.errors import FastPersistError, SaveFailedError
 from ..agreement import Agreement, failure
@@ -87,11 +87,12 @@ class TieredSave:
         if self.node_leader:
             unlink_quietly(os.path.join(self.local, TIERS_FILE))
             invalidate(self.local, rewritten)
-        if self.rank == 0:
+        if self.rank == 0:  # one listing (a request to an object store): a new directory has none of them
             home = persistent_dir(self.checkpoint_dir)
-            for name in (TIERS_FILE, INDEX_FILE, DCP_METADATA_FILE):
+            present = set(home.names()).intersection((TIERS_FILE, INDEX_FILE, DCP_METADATA_FILE))
+            for name in sorted(present):
                 home.remove(name)
-            if home.local_path is not None and os.path.isdir(home.local_path):
+            if present and home.local_path is not None:
                 fsync_path(home.local_path)
 
     def commit(self, finalize: Callable[[], Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
@@ -116,13 +117,11 @@ class TieredSave:
                 for name, data in files:
                     atomic_write(os.path.join(self.local, name), data)
                 atomic_write(os.path.join(self.local, TIERS_FILE), manifest.to_json_bytes())
-            if self.rank == 0:
+            if self.rank == 0:  # megatron reads common.pt before asking any strategy; the manifest last
                 home = persistent_dir(self.checkpoint_dir)
                 pending = pending_dir(home)
-                for name, data in files:
-                    pending.write(name, data)
-                for name, data in aux_files.items():  # megatron reads common.pt before asking any strategy
-                    home.write(name, data)
+                write_at_once([(pending, name, data) for name, data in files]
+                              + [(home, name, data) for name, data in aux_files.items()])
                 home.write(TIERS_FILE, manifest.to_json_bytes())
         except (OSError, FastPersistError) as e:
             error = f"rank {self.rank} ({describe_node()}): {type(e).__name__}: {e}"
