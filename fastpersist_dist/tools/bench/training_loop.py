@@ -27,10 +27,11 @@ the same instant, the least that a call which copies the state can block.
 A tiered contender (``fastpersist_tiered``: ``local_dir``, the persistent
 tier the bench directory or ``persistent``, a directory or ``msc://`` URL)
 also reports the time from the call until each checkpoint is durable on the
-persistent tier (polled after every step), and, on its last repetition, a
-restart: the last checkpoint loaded from the local tier, then, its local copy
-removed, from the persistent tier, beside the local tier's read bound
-(the device bound's reads of as many bytes per rank).
+persistent tier (polled after every step), and, after its last repetition, a
+restart: that repetition's synchronous save loaded from the local tier, then,
+its local copy removed, from the persistent tier, beside the local tier's read
+bound (the device bound's reads of as many bytes per rank), medians of as many
+loads as repetitions.
 """
 
 from __future__ import annotations
@@ -449,39 +450,45 @@ def _prepare(ckpt: str) -> None:
 
 def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict[str, float]:
     """Collective, one node: seconds to load ``ckpt`` from the local tier, then (its local copy removed) from the
-    persistent tier, and the device bound's reads of the same bytes per rank from the local tier (``bound_dir``)."""
+    persistent tier, and the device bound's reads of the same bytes per rank from the local tier (``bound_dir``):
+    medians of ``reps`` loads each (slowest rank), the local loads alternating with the bound's reads."""
     assert loop.local_dir is not None
     template = {k: _blank(v) for k, v in sd.items()}
     local_copy = local_copy_dir(os.path.abspath(loop.local_dir), ckpt)
+    bound = CONTENDERS[DEVICE_BOUND]
+
+    def dropped(*where: str) -> None:
+        if dist.get_rank() == 0:
+            for w in where:
+                if not is_object_store(w) and os.path.isdir(w):
+                    drop_page_cache(w)
+        dist.barrier()
 
     def load() -> float:
-        if dist.get_rank() == 0:
-            for where in (local_copy, ckpt):
-                if not is_object_store(where) and os.path.isdir(where):
-                    drop_page_cache(where)
-        dist.barrier()
+        dropped(local_copy, ckpt)
         return _over_ranks(_timed(lambda: dist_checkpointing.load(template, ckpt,
                                                                   sharded_strategy=FastPersistLoadStrategy())))
 
-    from_local = load()
-    if dist.get_rank() == 0:
-        shutil.rmtree(local_copy)
-    dist.barrier()
-    from_persistent = load()
-    bound = CONTENDERS[DEVICE_BOUND]
+    def read_bound() -> float:
+        dropped(bound_dir)
+        return _over_ranks(_timed(lambda: bound.load(template, bound_dir, loop.bench.write)))
+
     if dist.get_rank() == 0:
         shutil.rmtree(bound_dir, ignore_errors=True)
         os.makedirs(bound_dir)
     dist.barrier()
     bound.save(sd, bound_dir, loop.bench.write)
+    from_local, bound_s = [], []
+    for _ in range(loop.bench.reps):
+        from_local.append(load())
+        bound_s.append(read_bound())
     if dist.get_rank() == 0:
-        drop_page_cache(bound_dir)
-    dist.barrier()
-    read_bound = _over_ranks(_timed(lambda: bound.load(template, bound_dir, loop.bench.write)))
-    dist.barrier()
-    if dist.get_rank() == 0:
+        shutil.rmtree(local_copy)
         shutil.rmtree(bound_dir, ignore_errors=True)
-    return {"from_local_s": from_local, "from_persistent_s": from_persistent, "local_read_bound_s": read_bound}
+    dist.barrier()
+    from_persistent = [load() for _ in range(loop.bench.reps)]
+    return {"from_local_s": statistics.median(from_local), "from_persistent_s": statistics.median(from_persistent),
+            "local_read_bound_s": statistics.median(bound_s)}
 
 
 def timed_sync_save(cp: _Checkpointer, sd: dict, root: str) -> float:
@@ -720,7 +727,8 @@ def format_loop_table(rep: dict) -> str:
                      f"tier {r['persisted_s']:.2f} s after it{versus}")
         if r.get("restart"):
             s = r["restart"]
-            lines.append(f"{r['name']}: restart (last repetition's synchronous save, page cache dropped): from the "
+            lines.append(f"{r['name']}: restart (last repetition's synchronous save, page cache dropped, median of "
+                         f"{rep['reps']} loads each): from the "
                          f"local tier {s['from_local_s']:.2f} s ({s['local_read_bound_s'] / s['from_local_s']:.2f}x "
                          f"the local read bound, {s['local_read_bound_s']:.2f} s), from the persistent tier "
                          f"{s['from_persistent_s']:.2f} s")
