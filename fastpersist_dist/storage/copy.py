@@ -28,8 +28,9 @@ import queue
 import threading
 import time
 from bisect import bisect_right
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from ..format.checksum import digest_bytes
 from ..format.records import ShardRecord
@@ -204,6 +205,23 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[os.write(fd, view):]
 
 
+@contextmanager
+def _written_whole(dst: str, where: str, who: str) -> Iterator[AtomicFile]:
+    """``dst`` as an :class:`AtomicFile`, committed when the block ends, abandoned where it raises; an error
+    other than ours is raised as ``FastPersistError`` naming both ends (``where``: the source)."""
+    out = None
+    try:
+        out = AtomicFile(dst)
+        yield out
+        out.commit()
+    except Exception as e:
+        if out is not None:
+            out.abandon()
+        if isinstance(e, FastPersistError):  # CorruptCheckpointError among them: it names the damaged block
+            raise
+        raise FastPersistError(f"{who}: copying {where} to {dst} failed: {type(e).__name__}: {e}") from e
+
+
 def receive_checked(chunks: list[list[Span]], next_chunk: Callable[[list[Span]], bytes | memoryview], dst: str,
                     where: str, who: str) -> float:
     """Write ``dst`` from ``next_chunk(chunk)`` for each chunk in order, each checked first; the seconds it took.
@@ -213,24 +231,11 @@ def receive_checked(chunks: list[list[Span]], next_chunk: Callable[[list[Span]],
     is then left as it was.
     """
     start = time.perf_counter()
-    out = None
-    try:
-        out = AtomicFile(dst)
+    with _written_whole(dst, where, who) as out:
         for chunk in chunks:
             data = next_chunk(chunk)
             check_chunk(data, chunk, where, who)
             out.write(data)
-        out.commit()
-    except CorruptCheckpointError:
-        if out is not None:
-            out.abandon()
-        raise
-    except Exception as e:
-        if out is not None:
-            out.abandon()
-        if isinstance(e, FastPersistError):
-            raise
-        raise FastPersistError(f"{who}: copying {where} to {dst} failed: {type(e).__name__}: {e}") from e
     return time.perf_counter() - start
 
 
@@ -312,7 +317,6 @@ def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, win
         raise FastPersistError(f"{who}: {src} is missing") from None
     except OSError as e:
         raise FastPersistError(f"{who}: cannot open {src}: {e}") from e
-    out: Optional[AtomicFile] = None
     free: queue.Queue[Optional[mmap.mmap]] = queue.Queue()
     ready: queue.Queue[tuple[Window, mmap.mmap] | BaseException] = queue.Queue()
     reader: Optional[threading.Thread] = None
@@ -320,32 +324,21 @@ def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, win
         if os.fstat(fd).st_size != size:
             raise CorruptCheckpointError(f"{who}: {src} has {os.fstat(fd).st_size} bytes, the index says {size}")
         windows = window_plan(spans, size, window)
-        out = AtomicFile(dst)
-        if windows:
-            most = -(-max(w.read_end - w.start for w in windows) // DIRECT_ALIGN) * DIRECT_ALIGN
-            for _ in range(min(2, len(windows))):  # unmapped when no view of them is left (an error may hold one)
-                free.put(mmap.mmap(-1, most))
-            reader = threading.Thread(target=_read_windows, args=(fd, windows, free, ready, src, who),
-                                      name="fastpersist-copy-read", daemon=True)
-            reader.start()
-        for _ in windows:
-            item = ready.get()
-            if isinstance(item, BaseException):
-                raise item
-            w, buffer = item
-            out.write(memoryview(buffer)[: w.stop - w.start], aligned=True)
-            free.put(buffer)
-        out.commit()
-    except CorruptCheckpointError:
-        if out is not None:
-            out.abandon()
-        raise
-    except Exception as e:
-        if out is not None:
-            out.abandon()
-        if isinstance(e, FastPersistError):
-            raise
-        raise FastPersistError(f"{who}: copying {src} to {dst} failed: {type(e).__name__}: {e}") from e
+        with _written_whole(dst, src, who) as out:
+            if windows:
+                most = -(-max(w.read_end - w.start for w in windows) // DIRECT_ALIGN) * DIRECT_ALIGN
+                for _ in range(min(2, len(windows))):  # unmapped when no view of them is left (an error may hold one)
+                    free.put(mmap.mmap(-1, most))
+                reader = threading.Thread(target=_read_windows, args=(fd, windows, free, ready, src, who),
+                                          name="fastpersist-copy-read", daemon=True)
+                reader.start()
+            for _ in windows:
+                item = ready.get()
+                if isinstance(item, BaseException):
+                    raise item
+                w, buffer = item
+                out.write(memoryview(buffer)[: w.stop - w.start], aligned=True)
+                free.put(buffer)
     finally:
         if reader is not None:
             free.put(None)  # a reader still waiting for a buffer stops
