@@ -8,6 +8,8 @@ smaller than the default so that blocks straddle windows.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,15 @@ import pytest
 
 from fastpersist_dist.format.checksum import digest_bytes
 from fastpersist_dist.format.records import ShardRecord
-from fastpersist_dist.storage.copy import DIRECT_ALIGN, Span, block_spans, copy_checked, window_plan
+from fastpersist_dist.storage.copy import (
+    DIRECT_ALIGN,
+    Span,
+    block_spans,
+    chunk_plan,
+    copy_checked,
+    receive_checked,
+    window_plan,
+)
 from fastpersist_dist.storage.files import TMP_SUFFIX
 from fastpersist_dist.util.errors import CorruptCheckpointError, FastPersistError
 
@@ -135,3 +145,41 @@ def test_a_copy_replaces_an_older_file_whole(tmp_path, dst_dir):
     copy_checked(src, dst, spans, len(data), "rank 0", 8192)
     with open(dst, "rb") as f:
         assert f.read() == data
+
+
+def test_chunks_asked_for_at_once_are_written_in_order(tmp_path):
+    """A source with latency (an object store's ranged reads): the first ``ahead`` chunks are asked for at
+    once (they wait for each other here), later ones answer sooner than earlier ones, and the file still
+    holds every byte in order."""
+    src, data, spans = _file(tmp_path, [100, 70_000, 9, 33_333, 200_000])
+    chunks = chunk_plan(spans, 20_000)
+    together = threading.Barrier(4, timeout=30)
+
+    def next_chunk(chunk: list[Span]) -> bytes:
+        i = chunks.index(chunk)
+        if i < 4:
+            together.wait()
+        time.sleep(0.01 * (len(chunks) - i) / len(chunks))
+        return data[chunk[0].start : chunk[-1].end]
+
+    assert len(chunks) > 8
+    dst = tmp_path / "dst.distcp"
+    receive_checked(chunks, next_chunk, str(dst), src, "rank 0", ahead=4)
+    assert dst.read_bytes() == data
+
+
+def test_a_damaged_chunk_received_is_named_and_nothing_is_written(tmp_path):
+    src, data, spans = _file(tmp_path, [100, 70_000, 9, 33_333, 200_000])
+    chunks = chunk_plan(spans, 20_000)
+    bad = chunks[5]
+
+    def next_chunk(chunk: list[Span]) -> bytes:
+        piece = bytearray(data[chunk[0].start : chunk[-1].end])
+        if chunk is bad:
+            piece[-1] ^= 1
+        return bytes(piece)
+
+    with pytest.raises(CorruptCheckpointError, match=f"rank 2: checksum mismatch in s3://b/f at byte offset "
+                                                     f"{bad[-1].start} "):
+        receive_checked(chunks, next_chunk, str(tmp_path / "dst.distcp"), "s3://b/f", "rank 2", ahead=4)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("dst.distcp")]

@@ -28,8 +28,11 @@ import queue
 import threading
 import time
 from bisect import bisect_right
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import islice
 from typing import Callable, Iterator, Optional
 
 from ..format.checksum import digest_bytes
@@ -223,19 +226,28 @@ def _written_whole(dst: str, where: str, who: str) -> Iterator[AtomicFile]:
 
 
 def receive_checked(chunks: list[list[Span]], next_chunk: Callable[[list[Span]], bytes | memoryview], dst: str,
-                    where: str, who: str) -> float:
+                    where: str, who: str, ahead: int = 1) -> float:
     """Write ``dst`` from ``next_chunk(chunk)`` for each chunk in order, each checked first; the seconds it took.
 
-    ``where`` names the source in errors. Raises ``CorruptCheckpointError`` at
-    the first damaged block, ``FastPersistError`` on any other failure; ``dst``
-    is then left as it was.
+    ``ahead``: chunks asked for at once, ``next_chunk`` called from as many
+    threads (a source with latency: an object store's ranged reads), written
+    in order. ``where`` names the source in errors. Raises
+    ``CorruptCheckpointError`` at the first damaged block, ``FastPersistError``
+    on any other failure; ``dst`` is then left as it was.
     """
     start = time.perf_counter()
-    with _written_whole(dst, where, who) as out:
-        for chunk in chunks:
-            data = next_chunk(chunk)
-            check_chunk(data, chunk, where, who)
-            out.write(data)
+    with _written_whole(dst, where, who) as out, \
+            ThreadPoolExecutor(max(1, ahead), thread_name_prefix="fastpersist-receive") as pool:
+        asked = iter(chunks)
+        pending = deque((c, pool.submit(next_chunk, c)) for c in islice(asked, max(1, ahead)))
+        while pending:
+            chunk, data = pending.popleft()
+            following = next(asked, None)
+            if following is not None:
+                pending.append((following, pool.submit(next_chunk, following)))
+            received = data.result()
+            check_chunk(received, chunk, where, who)
+            out.write(received)
     return time.perf_counter() - start
 
 

@@ -25,6 +25,7 @@ from .files import atomic_write, unlink_quietly
 logger = logging.getLogger(__name__)
 
 MSC_SCHEME = "msc://"
+FETCH_AHEAD = 4  # ranged reads of an object in flight at once: one stream rarely fills an object store's bandwidth
 
 
 class PersistentDir:
@@ -193,7 +194,7 @@ class MscDir(PersistentDir):
                               byte_range=Range(offset=offset, size=length))
 
         try:
-            return receive_checked(chunk_plan(spans), chunk_bytes, dst, self.where(name), who)
+            return receive_checked(chunk_plan(spans), chunk_bytes, dst, self.where(name), who, FETCH_AHEAD)
         except FileNotFoundError:
             raise FastPersistError(f"{who}: {self.where(name)} is missing") from None
 
