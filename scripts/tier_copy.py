@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fastpersist_dist.format.checksum import digest_bytes  # noqa: E402
+from fastpersist_dist.format.checksum import BlockHasher  # noqa: E402
 from fastpersist_dist.format.records import ShardRecord  # noqa: E402
 from fastpersist_dist.storage.copy import Span, block_spans, copy_checked  # noqa: E402
 from fastpersist_dist.storage.persistent import persistent_dir  # noqa: E402
@@ -42,7 +42,9 @@ def data_file(path: str, size: int) -> list[Span]:
     records, offset = [], 0
     while offset < size:
         n = int(min(size - offset, rng.integers(1 << 20, 40 << 20)))
-        sums = tuple(digest_bytes(data[offset + b : offset + min(n, b + BLOCK)]) for b in range(0, n, BLOCK))
+        hasher = BlockHasher(BLOCK)
+        hasher.update(data[offset : offset + n])
+        sums = tuple(hasher.finish())
         records.append(ShardRecord(f"r{len(records)}", "tensor", "uint8", (n,), (n,), (0,), None, 0, None, 0,
                                    os.path.basename(path), offset, n, sums))
         offset += n

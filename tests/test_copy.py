@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastpersist_dist.format.checksum import digest_bytes
+from fastpersist_dist.format.checksum import BlockHasher
 from fastpersist_dist.format.records import ShardRecord
 from fastpersist_dist.storage.copy import (
     DIRECT_ALIGN,
@@ -38,7 +38,9 @@ def _records(data: bytes, lengths: list[int]) -> list[ShardRecord]:
     """Records of ``lengths`` bytes back to back over ``data``, with their block checksums."""
     records, offset = [], 0
     for i, n in enumerate(lengths):
-        sums = tuple(digest_bytes(data[offset + b : offset + min(n, b + BLOCK)]) for b in range(0, n, BLOCK))
+        hasher = BlockHasher(BLOCK)
+        hasher.update(data[offset : offset + n])
+        sums = tuple(hasher.finish())
         records.append(ShardRecord(f"t{i}", "tensor", "uint8", (n,), (n,), (0,), None, 0, None, 0, "f.distcp",
                                    offset, n, sums))
         offset += n
