@@ -6,9 +6,9 @@ storage into a local tier for a load (``engine/tiers/``). Whatever carries
 the bytes, they go in chunks of whole checksum blocks (:func:`chunk_plan`; a
 file-to-file copy in windows, :func:`window_plan`, read ahead while the last is
 written), and each block is checked against the index (:func:`check_chunk`)
-before it is passed on: a byte that rotted in the source, or one damaged in transit, never
-reaches the destination, and the error names the file, the byte offset and
-the record. A destination file appears whole or not at all (a temporary name,
+before it is passed on: a byte that rotted in the source, or one damaged in
+transit, never reaches the destination, and the error names the file, the
+byte offset and the record. A destination file appears whole or not at all (a temporary name,
 fsync, rename, fsync of the directory). Destinations are written with
 O_DIRECT where the filesystem takes it and is not in memory: a drain does not
 fill the page cache the training step needs, and on a disk it runs at the
