@@ -2,11 +2,14 @@
 
 The window plan is pure and checked against its definition; the copy runs on
 real files, to the disk (O_DIRECT) and to tmpfs (buffered), with windows far
-smaller than the default so that blocks straddle windows.
+smaller than the default so that blocks straddle windows. A copy that follows
+a file while a thread writes it is put in place only once its blocks match
+the checksums.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -20,9 +23,11 @@ from fastpersist_dist.format.records import ShardRecord
 from fastpersist_dist.storage.copy import (
     DIRECT_ALIGN,
     Span,
+    block_layout,
     block_spans,
     chunk_plan,
     copy_checked,
+    copy_following,
     receive_checked,
     window_plan,
 )
@@ -185,3 +190,102 @@ def test_a_damaged_chunk_received_is_named_and_nothing_is_written(tmp_path):
                                                      f"{bad[-1].start} "):
         receive_checked(chunks, next_chunk, str(tmp_path / "dst.distcp"), "s3://b/f", "rank 2", ahead=4)
     assert not [n for n in os.listdir(tmp_path) if n.startswith("dst.distcp")]
+
+
+class _Growing:
+    """A file written in pieces by a thread, as a writer does; ``wait`` follows it as the drain does. The writer
+    stops halfway until the copy asks for bytes past what is written: the copy must have read the first half
+    while the file was still growing."""
+
+    def __init__(self, path: str, data: bytes, piece: int):
+        self.path, self._data, self._piece = path, data, piece
+        self.asked_past_half = threading.Event()
+        self.finished = threading.Event()
+        self.failed = threading.Event()
+        self.returned: list[tuple[int, bool]] = []  # (end, whether the writer had finished) of each wait
+        open(path, "wb").close()
+        self.fd = os.open(path, os.O_RDONLY)
+        self._thread = threading.Thread(target=self._write, daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        half = len(self._data) // 2
+        with open(self.path, "r+b", buffering=0) as f:
+            for start in range(0, len(self._data), self._piece):
+                if start >= half:
+                    self.asked_past_half.wait(30)
+                f.write(self._data[start : start + self._piece])
+        self.finished.set()
+
+    def wait(self, end: int) -> None:
+        while os.fstat(self.fd).st_size < end:
+            if end > len(self._data) // 2:
+                self.asked_past_half.set()
+            if self.failed.is_set():
+                raise FastPersistError("the save failed")
+            time.sleep(0.001)
+        self.returned.append((end, self.finished.is_set()))
+
+    def close(self) -> None:
+        self._thread.join(30)
+        os.close(self.fd)
+
+
+@pytest.mark.parametrize("lengths", [[1], [3 * BLOCK + 5], [100, 70_000, 9, 33_333, 200_000, 4 * BLOCK]])
+def test_a_copy_follows_a_file_being_written_and_commits_once_its_checksums_match(tmp_path, dst_dir, lengths):
+    data = np.random.default_rng(3).integers(0, 256, sum(lengths), dtype=np.uint8).tobytes()
+    records = _records(data, lengths)
+    growing = _Growing(str(tmp_path / "src.distcp"), data, 5000)
+    dst = os.path.join(dst_dir, "dst.distcp")
+    try:
+        pending = copy_following(growing.fd, growing.path, dst,
+                                 block_layout([dataclasses.replace(r, checksums=()) for r in records], BLOCK),
+                                 len(data), "rank 0", growing.wait, 8192)
+    finally:
+        growing.close()
+    if len(data) > 4 * 8192:  # windows of the first half were read while the writer waited halfway
+        assert any(end <= len(data) // 2 and not finished for end, finished in growing.returned), growing.returned
+    assert not os.path.exists(dst)  # under its temporary name until the checksums are known
+    assert pending.commit_if(block_spans(records, BLOCK, len(data), growing.path))
+    with open(dst, "rb") as f:
+        assert f.read() == data
+    assert not [n for n in os.listdir(dst_dir) if n.endswith(TMP_SUFFIX)]
+
+
+def test_a_followed_copy_that_differs_from_the_index_is_removed(tmp_path, dst_dir):
+    """The bytes read while the file grew are not the ones the writer hashed (the file was replaced, or read
+    too early): nothing is put in place, and the destination stays as it was."""
+    lengths = [70_000, 33_333]
+    data = np.random.default_rng(4).integers(0, 256, sum(lengths), dtype=np.uint8).tobytes()
+    records = _records(data, lengths)
+    changed = bytearray(data)
+    changed[40_000] ^= 1
+    growing = _Growing(str(tmp_path / "src.distcp"), bytes(changed), 5000)
+    dst = os.path.join(dst_dir, "dst.distcp")
+    with open(dst, "wb") as f:
+        f.write(b"old")
+    try:
+        pending = copy_following(growing.fd, growing.path, dst, block_layout(records, BLOCK), len(data), "rank 0",
+                                 growing.wait, 8192)
+    finally:
+        growing.close()
+    assert not pending.commit_if(block_spans(records, BLOCK, len(data), growing.path))
+    with open(dst, "rb") as f:
+        assert f.read() == b"old"
+    assert not [n for n in os.listdir(dst_dir) if n.endswith(TMP_SUFFIX)]
+
+
+def test_a_followed_copy_whose_save_failed_is_removed(tmp_path, dst_dir):
+    data = np.random.default_rng(5).integers(0, 256, 100_000, dtype=np.uint8).tobytes()
+    records = _records(data, [len(data)])
+    growing = _Growing(str(tmp_path / "src.distcp"), data[:60_000], 5000)  # the writer stops: the save failed
+    growing.failed.set()
+    dst = os.path.join(dst_dir, "dst.distcp")
+    try:
+        with pytest.raises(FastPersistError, match="the save failed"):
+            copy_following(growing.fd, growing.path, dst, block_layout(records, BLOCK), len(data), "rank 0",
+                           growing.wait, 8192)
+    finally:
+        growing.asked_past_half.set()
+        growing.close()
+    assert not [n for n in os.listdir(dst_dir) if n.startswith("dst.distcp")]

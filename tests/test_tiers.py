@@ -82,12 +82,15 @@ def _data_files(directory: str) -> list[str]:
 
 @pytest.mark.contract
 def test_each_node_keeps_its_share_and_loads_it_from_its_own_copy(cluster):
-    """An async save: local at once, then durable; the persistent tier's data files are then removed, so the
-    load can only have read each node's own copy."""
-    (first, second) = (r["saves"][0] for r in _save(cluster, {"name": "s1", "step": 1, "async": True,
-                                                              "wait_durable": True}))
+    """An async save: local at once, then durable, each rank's data file copied to the persistent directory while
+    its writer wrote it; the persistent tier's data files are then removed, so the load can only have read each
+    node's own copy."""
+    saved = _save(cluster, {"name": "s1", "step": 1, "async": True, "wait_durable": True})
+    (first, second) = (r["saves"][0] for r in saved)
     assert [first["state_after_save"], second["state_after_save"]] == ["local", "local"]
     assert first["durable"] and second["durable"]
+    for r in saved:
+        assert len(r["drained"]) == 1 and "while it was written" in r["drained"][0] and not r["warnings"], r
     for node in (0, 1):  # the node's own rank's data file and the whole index
         copy = _node_copy(cluster, node, "s1")
         assert {TIERS_FILE, INDEX_FILE} <= set(os.listdir(copy)) and len(_data_files(copy)) == 1, os.listdir(copy)
@@ -106,6 +109,8 @@ def test_a_fresh_node_and_a_damaged_copy_read_the_persistent_tier(cluster):
     persistent tier, node 0 saying which copy failed its checksums."""
     saved = _save(cluster, {"name": "s1", "step": 1, "wait_durable": True})
     assert all(r["saves"][0]["durable"] for r in saved), saved
+    # a synchronous save's caller waits for its write: the drain copies after the commit, not beside the write
+    assert all(len(r["drained"]) == 1 and "after the local commit" in r["drained"][0] for r in saved), saved
     _wipe(cluster, 1)
     copy = _node_copy(cluster, 0, "s1")
     flip_bit(os.path.join(copy, _data_files(copy)[0]), 4096)

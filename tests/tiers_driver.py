@@ -10,7 +10,8 @@ namespace of its own where the same local-tier path is that node's own directory
   given; ``whole``: every rank asks for all of ``w``) and compare.
 
 ``msc``: turn on megatron-core's multi-storage-client support (``msc://`` checkpoint paths, ``--enable-msc``).
-Prints one line ``RESULT {...}``: what this rank saw, and the warnings and errors it logged.
+Prints one line ``RESULT {...}``: what this rank saw, the warnings and errors it logged, and how its drain
+copied its data files (``drained``).
 """
 
 from __future__ import annotations
@@ -118,13 +119,19 @@ def main(action: str, args: dict) -> dict:
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("fastpersist_dist").addHandler(handler)
+    drained: list[str] = []  # this rank's drain saying how it copied its data file
+    logging.getLogger("fastpersist_dist.engine.tiers.drain").setLevel(logging.DEBUG)
+    copies = logging.Handler(logging.DEBUG)
+    copies.addFilter(lambda record: record.getMessage().endswith("every block checked"))
+    copies.emit = lambda record: drained.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fastpersist_dist.engine.tiers.drain").addHandler(copies)
     if args.get("msc"):
         from megatron.core.msc_utils import MultiStorageClientFeature
 
         MultiStorageClientFeature.enable()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    result: dict = {"rank": rank, "node": os.environ["GROUP_RANK"], "warnings": warnings}
+    result: dict = {"rank": rank, "node": os.environ["GROUP_RANK"], "warnings": warnings, "drained": drained}
     if action == "save":
         result["saves"] = [_save(rank, world, one) for one in args["saves"]]
     else:

@@ -266,25 +266,36 @@ class SaveEngine:
         phases.mark("describe")
         commit = partial(finalize_save, ckpt, self.config.checksum_block_bytes, self.fmt, aux_files, self.group,
                          tier is not None)
-        finalize: list[Callable[[], Any]] = [commit if tier is None else partial(tier.commit, commit, self.fmt,
-                                                                                 aux_files)]
         if not snapshot:
             staged = assign(staged, self._agree(ckpt, out, error, phases, tier), rank)
             to_elements(staged)
             items = _items(staged, self.fmt, rank, self.config.separation_hint)
             phases.mark("frame")
             logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
-            return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank)), finalize)
+            return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank)),
+                           [self._committing(commit, tier, items, aux_files, follow=False)])
         staged, lease = self._snapshot(staged, out, ckpt, error, phases, tier)
         address, writer_pid = writer_client().ensure_running()
+        items = _items(staged, self.fmt, rank, self.config.separation_hint)
+        job = WriterJob(ckpt, self.fmt.data_file(rank), describe_items(items, lease[1]), self.config, rank)
         # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
-        finalize[:0] = [partial(shared.pool.release, lease), partial(shared.writing.discard, target)]
+        finalize = [partial(shared.pool.release, lease), partial(shared.writing.discard, target),
+                    self._committing(commit, tier, items, aux_files, follow=True)]
         shared.writing.add(target)
-        job = WriterJob(ckpt, self.fmt.data_file(rank), describe_items(_items(staged, self.fmt, rank, self.config.separation_hint), lease[1]),
-                        self.config, rank)
         phases.mark("frame")
         logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
         return SaveJob(write_in_writer, (address, writer_pid, job), finalize)
+
+    def _committing(self, commit: Callable[[], Any], tier: Optional[TieredSave], items: list[WriteItem],
+                    aux_files: dict[str, bytes], follow: bool) -> Callable[[], Any]:
+        """The commit step of a save whose write plan is agreed: a tiered save's drain is queued now, to follow
+        the write where ``follow`` (an async one: the writer runs beside training, and so does the drain; a
+        synchronous save's caller waits for its write, which a drain beside it would only slow down)."""
+        if tier is None:
+            return commit
+        committed = tier.drain_beside(self.fmt.data_file(dist.get_rank()), [i.record for i in items] if follow
+                                      else [], self.config)
+        return partial(tier.commit, commit, self.fmt, aux_files, committed)
 
     def _agree(self, ckpt: str, out: Outgoing, error: Optional[str], phases: Phases,
                tier: Optional[TieredSave] = None) -> list[ShardRecord]:

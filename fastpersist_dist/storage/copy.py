@@ -54,6 +54,13 @@ class Span:
     block: int
 
 
+def block_layout(records: list[ShardRecord], block_bytes: int) -> list[Span]:
+    """The checksum blocks of ``records`` in file order (each record's bytes cut every ``block_bytes`` from its
+    start), whether or not their checksums are known yet (a file still being written)."""
+    return [Span(r.offset + b * block_bytes, r.offset + min(r.length, (b + 1) * block_bytes), r, b)
+            for r in sorted(records, key=lambda r: r.offset) for b in range(-(-r.length // block_bytes))]
+
+
 def block_spans(records: list[ShardRecord], block_bytes: int, size: int, where: str) -> list[Span]:
     """Every checksum block of a data file of ``size`` bytes in file order (``where``: the file, for errors).
 
@@ -65,15 +72,12 @@ def block_spans(records: list[ShardRecord], block_bytes: int, size: int, where: 
                                                      for a, b in zip(records, records[1:])) or (
             records and records[0].offset != 0):
         raise CorruptCheckpointError(f"{where}: the records of the index do not cover its {size} bytes back to back")
-    spans = []
     for r in records:
         blocks = -(-r.length // block_bytes)
         if len(r.checksums) != blocks:
             raise CorruptCheckpointError(f"{where}: {r.describe()} has {len(r.checksums)} checksums for {blocks} "
                                          "blocks")
-        spans += [Span(r.offset + b * block_bytes, r.offset + min(r.length, (b + 1) * block_bytes), r, b)
-                  for b in range(blocks)]
-    return spans
+    return block_layout(records, block_bytes)
 
 
 def chunk_plan(spans: list[Span], chunk_bytes: int = CHUNK_BYTES) -> list[list[Span]]:
@@ -285,9 +289,14 @@ def window_plan(spans: list[Span], size: int, window: int = CHUNK_BYTES) -> list
     return windows
 
 
+Check = Callable[[memoryview, list[Span]], None]  # the bytes of some blocks, starting at the first one's start
+
+
 def _read_windows(fd: int, windows: list[Window], free: queue.Queue[Optional[mmap.mmap]],
-                  ready: queue.Queue[tuple[Window, mmap.mmap] | BaseException], where: str, who: str) -> None:
-    """The reading end of :func:`copy_checked`: each window read into a free buffer and checked, in order."""
+                  ready: queue.Queue[tuple[Window, mmap.mmap] | BaseException], where: str, who: str,
+                  check: Check, wait: Callable[[int], None]) -> None:
+    """The reading end of a windowed copy: each window read into a free buffer, once ``wait(end)`` returned for
+    its last byte, and its blocks given to ``check``, in order."""
     try:
         previous: Optional[tuple[Window, mmap.mmap]] = None
         for w in windows:
@@ -300,63 +309,125 @@ def _read_windows(fd: int, windows: list[Window], free: queue.Queue[Optional[mma
                 carried = pw.read_end - w.start
                 buffer[:carried] = pbuffer[w.start - pw.start : pw.read_end - pw.start]
             want = w.read_end - w.start - carried
+            wait(w.read_end)
             got = os.preadv(fd, [memoryview(buffer)[carried : carried + want]], w.start + carried) if want else 0
             if got != want:
                 raise CorruptCheckpointError(f"{who}: short read of {where} at byte {w.start + carried + got}")
             if w.spans:
                 base = w.spans[0].start - w.start
-                check_chunk(memoryview(buffer)[base : base + w.spans[-1].end - w.spans[0].start], list(w.spans),
-                            where, who)
+                check(memoryview(buffer)[base : base + w.spans[-1].end - w.spans[0].start], list(w.spans))
             ready.put((w, buffer))
             previous = (w, buffer)
     except BaseException as e:  # noqa: BLE001 - handed to the writing end, which raises it
         ready.put(e)
 
 
-def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, window: int = CHUNK_BYTES) -> float:
-    """Copy data file ``src`` (``size`` bytes, ``spans`` its blocks: :func:`block_spans`) to ``dst``, ``window``
-    bytes per step (:func:`window_plan`); the seconds it took.
-
-    A thread reads and checks the next window while this one writes the last
-    (two page-aligned buffers): the copy takes about as long as the slower of
-    reading and writing, and no byte is copied in memory on the way to an
-    O_DIRECT destination. Raises like :func:`receive_checked`.
-    """
-    start = time.perf_counter()
+def _copy_windows(fd: int, out: AtomicFile, windows: list[Window], where: str, who: str, check: Check,
+                  wait: Callable[[int], None] = lambda end: None) -> None:
+    """``windows`` of ``fd`` (``where``) appended to ``out``: a thread reads and checks the next window while
+    this one writes the last (two page-aligned buffers), so a copy takes about as long as the slower of reading
+    and writing, and no byte is copied in memory on the way to an O_DIRECT destination."""
+    if not windows:
+        return
+    free: queue.Queue[Optional[mmap.mmap]] = queue.Queue()
+    ready: queue.Queue[tuple[Window, mmap.mmap] | BaseException] = queue.Queue()
+    most = -(-max(w.read_end - w.start for w in windows) // DIRECT_ALIGN) * DIRECT_ALIGN
+    for _ in range(min(2, len(windows))):  # unmapped when no view of them is left (an error may hold one)
+        free.put(mmap.mmap(-1, most))
+    reader = threading.Thread(target=_read_windows, args=(fd, windows, free, ready, where, who, check, wait),
+                              name="fastpersist-copy-read", daemon=True)
+    reader.start()
     try:
-        fd = os.open(src, os.O_RDONLY)
+        for _ in windows:
+            item = ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            w, buffer = item
+            out.write(memoryview(buffer)[: w.stop - w.start], aligned=True)
+            free.put(buffer)
+    finally:
+        free.put(None)  # a reader still waiting for a buffer stops
+        reader.join()
+
+
+def _open_source(src: str, who: str) -> int:
+    try:
+        return os.open(src, os.O_RDONLY)
     except FileNotFoundError:
         raise FastPersistError(f"{who}: {src} is missing") from None
     except OSError as e:
         raise FastPersistError(f"{who}: cannot open {src}: {e}") from e
-    free: queue.Queue[Optional[mmap.mmap]] = queue.Queue()
-    ready: queue.Queue[tuple[Window, mmap.mmap] | BaseException] = queue.Queue()
-    reader: Optional[threading.Thread] = None
+
+
+def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, window: int = CHUNK_BYTES) -> float:
+    """Copy data file ``src`` (``size`` bytes, ``spans`` its blocks: :func:`block_spans`) to ``dst``, ``window``
+    bytes per step (:func:`window_plan`), each block checked before it is written; the seconds it took.
+
+    Raises like :func:`receive_checked`.
+    """
+    start = time.perf_counter()
+    fd = _open_source(src, who)
     try:
         if os.fstat(fd).st_size != size:
             raise CorruptCheckpointError(f"{who}: {src} has {os.fstat(fd).st_size} bytes, the index says {size}")
-        windows = window_plan(spans, size, window)
         with _written_whole(dst, src, who) as out:
-            if windows:
-                most = -(-max(w.read_end - w.start for w in windows) // DIRECT_ALIGN) * DIRECT_ALIGN
-                for _ in range(min(2, len(windows))):  # unmapped when no view of them is left (an error may hold one)
-                    free.put(mmap.mmap(-1, most))
-                reader = threading.Thread(target=_read_windows, args=(fd, windows, free, ready, src, who),
-                                          name="fastpersist-copy-read", daemon=True)
-                reader.start()
-            for _ in windows:
-                item = ready.get()
-                if isinstance(item, BaseException):
-                    raise item
-                w, buffer = item
-                out.write(memoryview(buffer)[: w.stop - w.start], aligned=True)
-                free.put(buffer)
+            _copy_windows(fd, out, window_plan(spans, size, window), src, who,
+                          lambda data, chunk: check_chunk(data, chunk, src, who))
     finally:
-        if reader is not None:
-            free.put(None)  # a reader still waiting for a buffer stops
-            reader.join()
         os.close(fd)
     return time.perf_counter() - start
+
+
+@dataclass
+class PendingCopy:
+    """A copy made while its source was still being written: under its temporary name, with the digest of
+    each block it read, until :meth:`commit_if` finds them equal to the checksums the writer computed."""
+
+    out: AtomicFile
+    digests: list[tuple[int, int, str]]  # (start, end, XXH3) of each block, in file order
+    seconds: float  # from its first read to its last write (not the wait for the source's first bytes)
+
+    def commit_if(self, spans: list[Span]) -> bool:
+        """Commit the copy if it holds exactly the blocks ``spans`` (:func:`block_spans`), else remove it."""
+        if self.digests != [(s.start, s.end, s.record.checksums[s.block]) for s in spans]:
+            self.abandon()
+            return False
+        self.out.commit()
+        return True
+
+    def abandon(self) -> None:
+        """Remove the copy (no-op once committed)."""
+        self.out.abandon()
+
+
+def copy_following(fd: int, src: str, dst: str, layout: list[Span], size: int, who: str,
+                   wait: Callable[[int], None], window: int = CHUNK_BYTES) -> PendingCopy:
+    """Copy ``src`` (open as ``fd``; ``size`` bytes when written, ``layout`` its blocks: :func:`block_layout`)
+    to ``dst`` while it is being written, each window read once ``wait(end)`` says its bytes are final.
+
+    The checksums are not known yet, so each block's digest is kept and the
+    copy stays under its temporary name: :meth:`PendingCopy.commit_if` puts it
+    in place once the writer's checksums match, and otherwise removes it (the
+    source changed, or the wait was wrong). ``wait`` raises to give up; an
+    error removes the copy and raises like :func:`receive_checked`.
+    """
+    digests: list[tuple[int, int, str]] = []
+
+    def keep(data: memoryview, chunk: list[Span]) -> None:
+        base = chunk[0].start
+        digests.extend((s.start, s.end, digest_bytes(data[s.start - base : s.end - base])) for s in chunk)
+
+    out = AtomicFile(dst)
+    try:
+        wait(min(size, window))
+        start = time.perf_counter()
+        _copy_windows(fd, out, window_plan(layout, size, window), src, who, keep, wait)
+    except BaseException as e:
+        out.abandon()
+        if isinstance(e, FastPersistError) or not isinstance(e, Exception):
+            raise
+        raise FastPersistError(f"{who}: copying {src} to {dst} failed: {type(e).__name__}: {e}") from e
+    return PendingCopy(out, digests, time.perf_counter() - start)
 
 
 class CheckedFile(io.RawIOBase):

@@ -156,8 +156,13 @@ def prepare_direct_writes(cfg: WriteConfig) -> None:
         logger.debug("fastpersist: aio handle and bounce buffer not made ahead (%s); the first write says why", e)
 
 
+def _buffered_by_choice(directory: str, cfg: WriteConfig) -> bool:
+    """Whether files in ``directory`` are written buffered whatever the system offers (asked to, or tmpfs)."""
+    return cfg.direct_io == "off" or (cfg.direct_io == "auto" and on_memory_filesystem(directory))
+
+
 def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
-    if cfg.direct_io == "off" or (cfg.direct_io == "auto" and on_memory_filesystem(os.path.dirname(path) or ".")):
+    if _buffered_by_choice(os.path.dirname(path) or ".", cfg):
         return _BufferedSink(path)  # on tmpfs: one copy from the tensors into the files' pages, no bounce
     try:
         aio_module()
@@ -179,6 +184,14 @@ def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
         directory = os.path.dirname(path) or "."
         _warn_once(("no-o-direct", os.stat(directory).st_dev), f"the filesystem of {directory} refuses O_DIRECT ({e.strerror})")
         return _BufferedSink(path)
+
+
+def settling_bytes(directory: str, cfg: WriteConfig) -> int:
+    """How many bytes at the end of a file :func:`write_rank_file` is writing in ``directory`` may not hold their
+    final value yet, for a reader that follows the write: none for buffered writes (a file grows past a byte only
+    once it is in the page cache), the bounce buffer for DeepNVMe's (its aio write in flight may land after a later
+    part of it)."""
+    return 0 if _buffered_by_choice(directory, cfg) else cfg.aio.buffer_bytes
 
 
 @dataclass

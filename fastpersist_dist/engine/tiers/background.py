@@ -4,11 +4,14 @@ Each runs its jobs one after another, in the order of the saves, so a rank's
 part of checkpoint N is done before its part of N+1, on every rank alike (the
 replication's transfers are collective). Replication and drain run beside
 each other: the drain does not wait for the replicas. A job that fails is
-logged and the next one runs.
+logged and the next one runs. A drain is queued when its save is prepared and
+waits for that save's local commit; until then it does not count as a copy
+under way.
 
 A process that ends while copies are still under way waits for them at exit
 (logging what it waits for), so a training script's last checkpoint still
-becomes durable; ``FASTPERSIST_EXIT_WAIT_S`` bounds that wait.
+becomes durable; ``FASTPERSIST_EXIT_WAIT_S`` bounds that wait. Drains of
+saves never committed (finalize never ran) are given up first.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import InvalidStateError
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 from ...util.per_process import PerProcess
@@ -38,17 +42,26 @@ class Worker(Generic[J]):
         self.name = name
         self._run = run
         self._jobs: queue.Queue[J] = queue.Queue()
+        self._open: list[J] = []  # submitted, not finished
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: J) -> None:
         _exit_wait_registered.get()
+        with self._lock:
+            self._open.append(job)
         self._jobs.put(job)
+
+    def open_jobs(self) -> list[J]:
+        """Jobs submitted and not finished, oldest first."""
+        with self._lock:
+            return list(self._open)
 
     @property
     def pending(self) -> int:
-        """Jobs submitted and not finished."""
-        return self._jobs.unfinished_tasks
+        """Jobs submitted and not finished, but for drains still waiting for their save's commit."""
+        return sum(1 for job in self.open_jobs() if not isinstance(job, Drain) or job.committed.done())
 
     def _loop(self) -> None:
         while True:
@@ -58,7 +71,8 @@ class Worker(Generic[J]):
             except Exception:  # noqa: BLE001 - the checkpoint stays where it is; the next ones still move
                 logger.exception("fastpersist: %s: a job failed; the checkpoint stays where it got to", self.name)
             finally:
-                self._jobs.task_done()
+                with self._lock:
+                    self._open.remove(job)
 
 
 _replicator = PerProcess(lambda: Worker("fastpersist-replicate", replicate))
@@ -83,7 +97,19 @@ def wait_copies(timeout: Optional[float] = None) -> bool:
     return True
 
 
+def _give_up_uncommitted() -> None:
+    """Drains of saves whose local commit never came (their finalize did not run): nothing of them is kept."""
+    if not _drainer.made():
+        return
+    for job in _drainer.get().open_jobs():
+        try:
+            job.committed.set_exception(RuntimeError("the save was never finalized (process exiting)"))
+        except InvalidStateError:  # committed (or failed) after all
+            pass
+
+
 def _wait_at_exit() -> None:
+    _give_up_uncommitted()
     pending = sum(w.pending for w in _workers())
     if not pending:
         return

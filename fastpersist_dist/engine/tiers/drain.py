@@ -1,12 +1,17 @@
 """The drain: a tiered checkpoint copied from the local tiers to the persistent tier, its index committed last.
 
-Runs on every rank's drain thread after the local commit. Each rank copies its
-own data file from its node's copy to the persistent directory (a shared
-filesystem or an object store, ``storage/persistent.py``), every block checked
-against the index on the way, and leaves a marker there naming the checkpoint.
-Rank 0's drain, once every rank's marker is there, copies the index files in
-commit order (the format's marker last), then records the state ``durable``
-and removes the markers and the pending index. Nothing of the persistent
+Each rank's drain job is queued when its save is prepared and waits for the
+local commit to hand it the manifest (``Drain.committed``). Meanwhile, where
+the persistent tier is a directory, it already copies the rank's data file
+there as the writer writes it (following its length, ``storage/copy.py``'s
+``copy_following``), under a temporary name, keeping each block's digest; the
+copy is put in place only if those equal the checksums of the committed index,
+and is made again from the local copy otherwise. To an object store the file
+is uploaded after the local commit. Either way every block is checked against
+the index, and the rank leaves a marker there naming the checkpoint. Rank 0's
+drain, once every rank's marker is there, copies the index files in commit
+order (the format's marker last), then records the state ``durable`` and
+removes the markers and the pending index. Nothing of the persistent
 directory's committed index exists before that: it never shows durable early.
 
 A copy that fails for a reason other than the bytes (the store unreachable,
@@ -23,17 +28,17 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
-from ...format.records import is_data_file
+from ...format.records import ShardRecord, is_data_file, status_file_name
 from ...format.tiers import DURABLE, TierManifest
-from ...storage.copy import block_spans
+from ...storage.copy import PendingCopy, Span, block_layout, block_spans, copy_following
 from ...storage.files import TMP_SUFFIX
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
 from ..index_reader import read_index
-from .part import RankPart
 from .state import DRAINED_PREFIX, advance, drained_marker, failed_marker, pending_dir, poll_interval, superseded
 
 logger = logging.getLogger(__name__)
@@ -43,19 +48,58 @@ FIRST_PAUSE_S = 1.0
 LONGEST_PAUSE_S = 30.0
 
 
+FOLLOW_POLL_S = 0.002  # how often a copy that follows a write looks at the file's length
+
+
 @dataclass(frozen=True)
-class Drain(RankPart):
+class Planned:
+    """A rank's data file as its save planned it: what a copy needs to follow the write."""
+
+    records: tuple[ShardRecord, ...]  # placed back to back, their checksums not known yet
+    block_bytes: int  # the checksum block
+    settling: int  # bytes at the end of the written part that may still change (storage.writer.settling_bytes)
+
+    @property
+    def size(self) -> int:
+        return sum(r.length for r in self.records)
+
+
+@dataclass(frozen=True)
+class Drain:
     """One rank's part of draining one checkpoint."""
 
+    committed: "Future[TierManifest]"  # the local commit's manifest; an exception where the save failed
+    checkpoint_dir: str  # the persistent tier's
+    local: str  # this node's copy of the checkpoint
+    rank: int
+    node: str  # this node, for messages
     data_file: str  # this rank's
     retry_s: float
+    planned: Optional[Planned]  # None: nothing to follow (no data file, or not copied while written)
 
 
 def drain(job: Drain) -> None:
     """This rank's part of ``job`` (see the module)."""
-    m, who = job.manifest, f"rank {job.rank} ({job.node})"
-    home = persistent_dir(m.checkpoint_dir)
+    who = f"rank {job.rank} ({job.node})"
+    home = persistent_dir(job.checkpoint_dir)
+    early = _follow(job, home, who)
+    try:
+        m = job.committed.result()
+    except Exception as e:  # noqa: BLE001 - the save failed: its finalize reported it on every rank
+        logger.debug("fastpersist: %s: %s was not committed, nothing to drain: %s", who, job.checkpoint_dir, e)
+        if early is not None:
+            early.abandon()
+        return
     start = time.perf_counter()
+    try:
+        _copy(job, m, home, early, who, start)
+    finally:
+        if early is not None:
+            early.abandon()  # unless it was committed
+
+
+def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[PendingCopy], who: str,
+          start: float) -> None:
     index = read_index(job.local, who)
     size = index.files.get(job.data_file)
     try:
@@ -67,10 +111,13 @@ def drain(job: Drain) -> None:
             src = os.path.join(job.local, job.data_file)
             spans = block_spans([r for r in index.records if r.file == job.data_file], index.checksum_block_bytes,
                                 size, src)
-            seconds = _retrying(lambda: home.put(job.data_file, src, spans, size, who), job.retry_s,
-                                f"{who}: copying {src} to {home.where(job.data_file)}")
-            logger.debug("fastpersist: %s: %s copied to %s in %.2f s (%.2f GiB/s), every block checked", who, src,
-                         home.where(job.data_file), seconds, size / 2**30 / max(seconds, 1e-9))
+            seconds = None if early is None else _taken(early, spans, who, src)
+            how = "after the local commit" if seconds is None else "while it was written"
+            if seconds is None:
+                seconds = _retrying(lambda: home.put(job.data_file, src, spans, size, who), job.retry_s,
+                                    f"{who}: copying {src} to {home.where(job.data_file)}")
+            logger.debug("fastpersist: %s: %s copied to %s %s in %.2f s (%.2f GiB/s), every block checked", who, src,
+                         home.where(job.data_file), how, seconds, size / 2**30 / max(seconds, 1e-9))
         _retrying(lambda: home.write(drained_marker(m, job.data_file), b""), job.retry_s,
                   f"{who}: marking {job.data_file} copied in {home.url}")
     except FastPersistError as e:
@@ -86,6 +133,81 @@ def drain(job: Drain) -> None:
             _commit(home, m, index.files, job, start)
         except FastPersistError as e:
             logger.error("fastpersist: rank 0: %s stays in the local tiers (not durable): %s", m.checkpoint_dir, e)
+
+
+def _taken(early: PendingCopy, spans: list[Span], who: str, src: str) -> Optional[float]:
+    """The seconds of the copy made while ``src`` was written, now put in place since it holds exactly ``spans``;
+    None where it was not (logged: the file is then copied again)."""
+    try:
+        if early.commit_if(spans):
+            return early.seconds
+        reason = "does not match its index"
+    except OSError as e:
+        reason = f"could not be put in place ({e})"
+    logger.warning("fastpersist: %s: the copy of %s made while it was written %s; copying it again", who, src,
+                   reason)
+    return None
+
+
+class _Written:
+    """This rank's local data file as its writer writes it (the drain follows it there)."""
+
+    def __init__(self, job: Drain, planned: Planned):
+        self.path = os.path.join(job.local, job.data_file)
+        self._status = os.path.join(job.local, status_file_name(job.rank))  # left by the writer once it is done
+        self._job, self._planned = job, planned
+        self.fd = -1
+
+    def _done(self) -> bool:
+        """Whether the writer is done (or the save over): nothing more will change."""
+        return self._job.committed.done() or os.path.exists(self._status)
+
+    def _gave_up(self) -> None:
+        if self._job.committed.done() and self._job.committed.exception() is not None:
+            raise FastPersistError(f"the save of {self.path} failed")
+
+    def open(self) -> None:
+        """Wait for the writer to create the file (removed before this drain was queued) and open it."""
+        while True:
+            self._gave_up()
+            done = self._done()
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY)
+                return
+            except FileNotFoundError:
+                if done:
+                    raise FastPersistError(f"{self.path} was not written") from None
+            time.sleep(FOLLOW_POLL_S)
+
+    def wait(self, end: int) -> None:
+        """Return once bytes [0, end) are final; raise where they never will be."""
+        while True:
+            self._gave_up()
+            done = self._done()
+            if os.fstat(self.fd).st_size - (0 if done else self._planned.settling) >= end:
+                return
+            if done:
+                raise FastPersistError(f"{self.path} has {os.fstat(self.fd).st_size} bytes, not the {end} planned")
+            time.sleep(FOLLOW_POLL_S)
+
+
+def _follow(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy]:
+    """This rank's data file copied into a persistent directory while it is written; None where it is not
+    (an object store, nothing to write, the save failed, any error: the copy is then made after the commit)."""
+    if job.planned is None or home.local_path is None:
+        return None
+    written = _Written(job, job.planned)
+    try:
+        written.open()
+        return copy_following(written.fd, written.path, os.path.join(home.local_path, job.data_file),
+                              block_layout(list(job.planned.records), job.planned.block_bytes), job.planned.size,
+                              who, written.wait)
+    except (FastPersistError, OSError) as e:
+        logger.debug("fastpersist: %s: not copying %s while it is written: %s", who, written.path, e)
+        return None
+    finally:
+        if written.fd >= 0:
+            os.close(written.fd)
 
 
 def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Drain, start: float) -> None:
@@ -158,11 +280,11 @@ def _remove_stale(home: PersistentDir, m: TierManifest) -> None:
 
 def _remove_stale_files(home: PersistentDir, m: TierManifest) -> None:
     keep = set(m.files) | set(m.index_files)
+    ours = f"{DRAINED_PREFIX}{m.checkpoint_id}."  # this checkpoint's markers, other ranks' among them
     for name in home.names():
-        if name in keep:
+        if name in keep or name.startswith(ours):
             continue
         if name.endswith(TMP_SUFFIX) and name[: -len(TMP_SUFFIX)].rsplit(".", 1)[0] in keep:
             continue  # a copy of this checkpoint under way
-        if is_data_file(name) or name.endswith(TMP_SUFFIX) or (
-                name.startswith(DRAINED_PREFIX) and m.checkpoint_id not in name):
+        if is_data_file(name) or name.endswith(TMP_SUFFIX) or name.startswith(DRAINED_PREFIX):
             home.remove(name)

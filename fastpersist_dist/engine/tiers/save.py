@@ -20,6 +20,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -27,17 +28,18 @@ import torch.distributed as dist
 
 from ...format.checksum import digest_bytes
 from ...format.kinds import DCP_METADATA_FILE, CheckpointFormat
-from ...format.records import INDEX_FILE
+from ...format.records import INDEX_FILE, ShardRecord
 from ...format.tiers import LOCAL, TIERS_FILE, TierManifest, local_copy_dir
 from ...plan.replicas import replica_nodes
 from ...storage.files import atomic_write, fsync_path, unlink_quietly
 from ...storage.persistent import persistent_dir, write_at_once
-from ...util.config import TierConfig
+from ...storage.writer import settling_bytes
+from ...util.config import TierConfig, WriteConfig
 from ...util.errors import FastPersistError, SaveFailedError
 from ..agreement import Agreement, failure
 from ..directory import invalidate
 from .background import drainer, replicator
-from .drain import Drain
+from .drain import Drain, Planned
 from .replicate import Replication
 from .retention import retain
 from .state import pending_dir
@@ -95,9 +97,42 @@ class TieredSave:
             if present and home.local_path is not None:
                 fsync_path(home.local_path)
 
+    def drain_beside(self, data_file: str, records: list[ShardRecord], config: WriteConfig
+                     ) -> Optional["Future[TierManifest]"]:
+        """Once every rank agreed to write, before the write: this rank's drain queued (``drain.py``), to copy
+        its data file (planned as ``records``; none: after the commit) to a persistent directory while it is
+        written; the future that :meth:`commit` resolves. None for a save the persistent tier never gets
+        (``persistent=False``)."""
+        if not self.config.persistent:
+            return None
+        # The writer's own first step, taken before the drain looks: it follows only the file of this save.
+        unlink_quietly(os.path.join(self.local, data_file))
+        committed: Future[TierManifest] = Future()
+        planned = Planned(tuple(records), config.checksum_block_bytes,
+                          settling_bytes(self.local, config)) if records else None
+        drainer().submit(Drain(committed, self.checkpoint_dir, self.local, self.rank, describe_node(), data_file,
+                               self.config.retry_s, planned))
+        return committed
+
     def commit(self, finalize: Callable[[], Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
-               aux_files: dict[str, bytes]) -> TierManifest:
-        """Collective: the local commit (see the module), then this rank's part queued for the background."""
+               aux_files: dict[str, bytes], committed: Optional["Future[TierManifest]"]) -> TierManifest:
+        """Collective: the local commit (see the module), then the background work handed this checkpoint.
+
+        ``committed`` (:meth:`drain_beside`'s) gets the manifest, or the error
+        where the commit failed: the drain then discards what it copied.
+        """
+        try:
+            manifest = self._commit(finalize, fmt, aux_files)
+        except BaseException as e:
+            if committed is not None:
+                committed.set_exception(e)
+            raise
+        if committed is not None:
+            committed.set_result(manifest)
+        return manifest
+
+    def _commit(self, finalize: Callable[[], Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
+                aux_files: dict[str, bytes]) -> TierManifest:
         try:
             files = finalize()  # raises SaveFailedError on every rank where any rank failed
         except SaveFailedError as e:  # its ranks' errors name their paths: say which node each rank is on
@@ -131,12 +166,8 @@ class TieredSave:
         if self.rank == 0:
             logger.info("fastpersist: %s committed to the local tiers of %d nodes (%s)%s", self.checkpoint_dir,
                         len(self.topology.nodes), self.local, self._next_steps())
-        node = describe_node()
         if self.group is not None:
-            replicator().submit(Replication(manifest, self.local, self.rank, node, self.group))
-        if manifest.persistent:
-            drainer().submit(Drain(manifest, self.local, self.rank, node, fmt.data_file(self.rank),
-                                   self.config.retry_s))
+            replicator().submit(Replication(manifest, self.local, self.rank, describe_node(), self.group))
         if self.node_leader:
             retain(self.config, manifest)
         return manifest

@@ -1,0 +1,99 @@
+"""The drain's edges: what rank 0 clears from a persistent directory, and a save that is never committed.
+
+Every rank's drain writes into the same directory at once (its data file, its marker); rank 0 also removes
+what an earlier checkpoint of that name left. It must never remove what another rank of this checkpoint is
+writing: each rank copies its data file while it is written and leaves its marker right after the local commit,
+often while rank 0 is still clearing. A drain that copied a file for a save whose finalize never ran removes
+its copy when the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from fastpersist_dist import checkpoint_state
+from fastpersist_dist.engine.tiers.drain import _remove_stale_files
+from fastpersist_dist.engine.tiers.state import drained_marker, failed_marker
+from fastpersist_dist.format.records import INDEX_FILE, is_data_file
+from fastpersist_dist.format.tiers import LOCAL, TierManifest
+from fastpersist_dist.storage.files import TMP_SUFFIX
+from fastpersist_dist.storage.persistent import PosixDir
+
+pytestmark = pytest.mark.engine
+
+
+def _manifest(home: str, checkpoint_id: str) -> TierManifest:
+    return TierManifest(checkpoint_id=checkpoint_id, checkpoint_dir=home, local_dir="/local", nodes=((0,), (1,)),
+                        files={"__0_0.distcp": 0, "__1_0.distcp": 1}, index_files=(INDEX_FILE,),
+                        index_xxh3_64="0" * 16, state=LOCAL, created=time.time())
+
+
+def test_rank_0_clears_an_earlier_checkpoint_and_keeps_what_this_one_is_writing(tmp_path):
+    home = str(tmp_path)
+    now, before = _manifest(home, "a" * 32), _manifest(home, "b" * 32)
+    ours = [
+        "__0_0.distcp", f"__1_0.distcp.{os.getpid()}{TMP_SUFFIX}",  # a data file copied, one being copied
+        drained_marker(now, "__0_0.distcp"),  # rank 0's marker, and rank 1's being written (atomic_write's temp)
+        drained_marker(now, "__1_0.distcp") + TMP_SUFFIX, failed_marker(now, "__1_0.distcp"), INDEX_FILE,
+    ]
+    stale = ["__2_0.distcp", f"__2_0.distcp.123{TMP_SUFFIX}", drained_marker(before, "__0_0.distcp"),
+             drained_marker(before, "__1_0.distcp") + TMP_SUFFIX, f"common.pt{TMP_SUFFIX}"]
+    others = ["common.pt", "metadata.json"]
+    for name in ours + stale + others:
+        open(os.path.join(home, name), "wb").close()
+    _remove_stale_files(PosixDir(home), now)
+    assert sorted(os.listdir(home)) == sorted(ours + others)
+
+
+NEVER_FINALIZED = textwrap.dedent("""
+    import os
+    import sys
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from fastpersist_dist import ASYNC_SAVE_KWARGS, FastPersistSaveStrategy
+    from fastpersist_dist.storage.files import TMP_SUFFIX
+
+    local, ckpt = sys.argv[1:3]
+    dist.init_process_group("gloo")
+    w = torch.arange(4 << 20, dtype=torch.float32)
+    sd = {"w": ShardedTensor.from_rank_offsets("w", w, replica_id=0)}
+    request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(local_dir=local),
+                                      async_sharded_save=True, **ASYNC_SAVE_KWARGS)
+    request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)  # the write; its finalize never runs
+    while not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX)]:  # the drain's copy under way
+        time.sleep(0.01)
+    print("written", flush=True)
+""")
+
+
+def test_a_save_never_finalized_leaves_nothing_in_the_persistent_directory(tmp_path):
+    """The drain copied the data file while it was written and waits for the local commit, which never comes:
+    at exit the copy is removed, and the process ends."""
+    ckpt, local = tmp_path / "persistent" / "step1", tmp_path / "local"
+    ckpt.mkdir(parents=True)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    done = subprocess.run([sys.executable, "-c", NEVER_FINALIZED, str(local), str(ckpt)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "written" in done.stdout, done.stderr[-3000:]
+    assert [n for n in os.listdir(local) if os.listdir(local / n)], "the local copy holds the written file"
+    assert not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX) or is_data_file(n)], os.listdir(ckpt)
+    assert checkpoint_state(str(ckpt)) is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
