@@ -3,8 +3,8 @@
 Every rank's drain writes into the same directory at once (its data file, its marker); rank 0 also removes
 what an earlier checkpoint of that name left. It must never remove what another rank of this checkpoint is
 writing: each rank copies its data file while it is written and leaves its marker right after the local commit,
-often while rank 0 is still clearing. A drain that copied a file for a save whose finalize never ran removes
-its copy when the process exits.
+often while rank 0 is still clearing. Whether a drain follows the write by default depends on the cores a rank
+has; a drain that copied a file for a save whose finalize never ran removes its copy when the process exits.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import LOCAL, TierManifest
 from fastpersist_dist.storage.files import TMP_SUFFIX
 from fastpersist_dist.storage.persistent import PosixDir
+from fastpersist_dist.util.config import DRAIN_WHILE_WRITING_CORES, drains_while_writing
 
 pytestmark = pytest.mark.engine
 
@@ -52,6 +53,12 @@ def test_rank_0_clears_an_earlier_checkpoint_and_keeps_what_this_one_is_writing(
     assert sorted(os.listdir(home)) == sorted(ours + others)
 
 
+def test_the_drain_follows_the_write_by_default_only_where_each_rank_has_cores_to_spare():
+    assert not drains_while_writing(None, DRAIN_WHILE_WRITING_CORES - 1)
+    assert drains_while_writing(None, DRAIN_WHILE_WRITING_CORES)
+    assert drains_while_writing(True, 1) and not drains_while_writing(False, 64)
+
+
 NEVER_FINALIZED = textwrap.dedent("""
     import os
     import sys
@@ -62,14 +69,15 @@ NEVER_FINALIZED = textwrap.dedent("""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from fastpersist_dist import ASYNC_SAVE_KWARGS, FastPersistSaveStrategy
+    from fastpersist_dist import ASYNC_SAVE_KWARGS, FastPersistSaveStrategy, TierConfig
     from fastpersist_dist.storage.files import TMP_SUFFIX
 
     local, ckpt = sys.argv[1:3]
     dist.init_process_group("gloo")
     w = torch.arange(4 << 20, dtype=torch.float32)
     sd = {"w": ShardedTensor.from_rank_offsets("w", w, replica_id=0)}
-    request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(local_dir=local),
+    tiers = TierConfig(os.path.abspath(local), drain_while_writing=True)
+    request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(tiers=tiers),
                                       async_sharded_save=True, **ASYNC_SAVE_KWARGS)
     request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)  # the write; its finalize never runs
     while not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX)]:  # the drain's copy under way

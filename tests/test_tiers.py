@@ -83,9 +83,10 @@ def _data_files(directory: str) -> list[str]:
 @pytest.mark.contract
 def test_each_node_keeps_its_share_and_loads_it_from_its_own_copy(cluster):
     """An async save: local at once, then durable, each rank's data file copied to the persistent directory while
-    its writer wrote it; the persistent tier's data files are then removed, so the load can only have read each
-    node's own copy."""
-    saved = _save(cluster, {"name": "s1", "step": 1, "async": True, "wait_durable": True})
+    its writer wrote it (``drain_while_writing``); the persistent tier's data files are then removed, so the load
+    can only have read each node's own copy."""
+    saved = _save(cluster, {"name": "s1", "step": 1, "async": True, "wait_durable": True,
+                            "drain_while_writing": True})
     (first, second) = (r["saves"][0] for r in saved)
     assert [first["state_after_save"], second["state_after_save"]] == ["local", "local"]
     assert first["durable"] and second["durable"]

@@ -4,7 +4,8 @@
 namespace of its own where the same local-tier path is that node's own directory. Actions:
 
 * ``save``: for each of ``saves``, save the state of its ``step`` (``rows`` rows of ``w`` per rank) into its
-  ``checkpoint`` (``local_dir``, ``replicas``, ``persistent``, ``async`` as it says), then optionally wait
+  ``checkpoint`` (``local_dir``, ``replicas``, ``persistent``, ``drain_while_writing``, ``async`` as it says),
+  then optionally wait
   until it is durable (``wait_durable``) or until this rank's copies are done (``wait_copies``);
 * ``load``: load ``checkpoint`` into a fresh state of ``step`` (with ``loader_local_dir`` and ``share_reads`` if
   given; ``whole``: every rank asks for all of ``w``) and compare.
@@ -34,6 +35,7 @@ from fastpersist_dist import (
     AsyncSaveQueue,
     FastPersistLoadStrategy,
     FastPersistSaveStrategy,
+    TierConfig,
     checkpoint_state,
     wait_copies,
     wait_durable,
@@ -61,8 +63,9 @@ def _save(rank: int, world: int, args: dict) -> dict:
     if rank == 0 and "://" not in ckpt:
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
-    strategy = FastPersistSaveStrategy(args.get("format"), local_dir=args["local_dir"],
-                                       replicas=args.get("replicas", 0), persistent=args.get("persistent", True))
+    tiers = TierConfig(args["local_dir"], replicas=args.get("replicas", 0), persistent=args.get("persistent", True),
+                       drain_while_writing=args.get("drain_while_writing"))
+    strategy = FastPersistSaveStrategy(args.get("format"), tiers=tiers)
     sd = state(rank, world, args["step"], args.get("rows", 64))
     saved: dict = {}
     try:

@@ -288,13 +288,12 @@ class SaveEngine:
 
     def _committing(self, commit: Callable[[], Any], tier: Optional[TieredSave], items: list[WriteItem],
                     aux_files: dict[str, bytes], follow: bool) -> Callable[[], Any]:
-        """The commit step of a save whose write plan is agreed: a tiered save's drain is queued now, to follow
-        the write where ``follow`` (an async one: the writer runs beside training, and so does the drain; a
-        synchronous save's caller waits for its write, which a drain beside it would only slow down)."""
+        """The commit step of a save whose write plan is agreed: a tiered save's drain is queued now
+        (``follow``: the write runs in the writer process, see ``TieredSave.drain_beside``)."""
         if tier is None:
             return commit
-        committed = tier.drain_beside(self.fmt.data_file(dist.get_rank()), [i.record for i in items] if follow
-                                      else [], self.config)
+        committed = tier.drain_beside(self.fmt.data_file(dist.get_rank()), [i.record for i in items], self.config,
+                                      follow)
         return partial(tier.commit, commit, self.fmt, aux_files, committed)
 
     def _agree(self, ckpt: str, out: Outgoing, error: Optional[str], phases: Phases,

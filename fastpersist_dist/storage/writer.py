@@ -39,6 +39,7 @@ from ..format.checksum import BlockHasher, digest_bytes
 from ..format.records import ShardRecord, tensor_bytes, with_checksums
 from ..util import progress
 from ..util.config import MiB, WriteConfig
+from ..util.cores import cores_per_local_rank
 from ..util.errors import FastPersistError
 from ..util.timing import Phases
 from .deepspeed_ops import LockedMemoryError, aio_available, aio_module, aio_resources, ensure_fast_file_writer_usable
@@ -420,7 +421,7 @@ def _stream(
     staged = [d for d in (item.data for item in items) if needs_host_copy(d) and d.nbytes <= HOST_COPY_BYTES]
     on_device = any(d.device.type != "cpu" for d in staged)
     staging = staging_block(HOST_COPY_BYTES, pinned=on_device) if staged else nullcontext()
-    inline = sink.mode == MODE_BUFFERED and _cores_per_local_rank() < 2
+    inline = sink.mode == MODE_BUFFERED and cores_per_local_rank() < 2
     # The block is given up last: after the checksum thread has finished with it, whatever happened.
     with staging as host_block, copies_on_this_thread(), \
             ThreadPoolExecutor(1, thread_name_prefix="fastpersist-checksum") as checksummer:
@@ -458,11 +459,6 @@ def _stream(
                     logger.debug("closing %s after a failed write also failed", path, exc_info=True)
             raise FastPersistError(f"rank {rank}: {where} in {path} failed: {type(e).__name__}: {e}") from e
     return out
-
-
-def _cores_per_local_rank() -> float:
-    """The cores this process may use, shared with the other ranks of its node (torchrun's LOCAL_WORLD_SIZE)."""
-    return len(os.sched_getaffinity(0)) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _hashed_inline(item: WriteItem, data: torch.Tensor) -> Future:

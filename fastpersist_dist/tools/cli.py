@@ -87,7 +87,8 @@ def bench_train(args: argparse.Namespace) -> int:
     from .bench.training_loop import format_loop_table, run_checked
 
     rep = run_checked(_bench_config(args), args.steps, args.every, args.contenders, args.compute_ms,
-                      args.local_dir, args.persistent)
+                      args.local_dir, args.persistent,
+                      {"auto": None, "on": True, "off": False}[args.drain_while_writing])
     if rep is None:
         return 2
     print(format_loop_table(rep))

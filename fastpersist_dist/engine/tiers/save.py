@@ -10,8 +10,9 @@ any strategy (``common.pt``), and the manifest in state ``local``: the
 checkpoint is loadable from the local tiers from then on. Then each rank
 hands its part to the background threads (``background.py``): the replicas
 (``replicate.py``, with ``replicas`` > 0) and the drain to the persistent tier
-(``drain.py``, unless ``persistent=False``); and each node's first rank
-applies the retention (``retention.py``).
+(``drain.py``, unless ``persistent=False``: queued before the write, where it
+may already copy the data file, it waits for this commit to put the copy in
+place); and each node's first rank applies the retention (``retention.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from ...plan.replicas import replica_nodes
 from ...storage.files import atomic_write, fsync_path, unlink_quietly
 from ...storage.persistent import persistent_dir, write_at_once
 from ...storage.writer import settling_bytes
-from ...util.config import TierConfig, WriteConfig
+from ...util.config import TierConfig, WriteConfig, drains_while_writing
+from ...util.cores import cores_per_local_rank
 from ...util.errors import FastPersistError, SaveFailedError
 from ..agreement import Agreement, failure
 from ..directory import invalidate
@@ -97,19 +99,26 @@ class TieredSave:
             if present and home.local_path is not None:
                 fsync_path(home.local_path)
 
-    def drain_beside(self, data_file: str, records: list[ShardRecord], config: WriteConfig
+    def drain_beside(self, data_file: str, records: list[ShardRecord], config: WriteConfig, beside_writer: bool
                      ) -> Optional["Future[TierManifest]"]:
-        """Once every rank agreed to write, before the write: this rank's drain queued (``drain.py``), to copy
-        its data file (planned as ``records``; none: after the commit) to a persistent directory while it is
-        written; the future that :meth:`commit` resolves. None for a save the persistent tier never gets
-        (``persistent=False``)."""
+        """Once every rank agreed to write, before the write: this rank's drain queued (``drain.py``); the future
+        that :meth:`commit` resolves. None for a save the persistent tier never gets (``persistent=False``).
+
+        Where the write runs in the rank's writer process (``beside_writer``:
+        an async save; a synchronous save's caller waits for its write, which a
+        drain beside it would only slow down) and ``TierConfig.drain_while_writing``
+        says so, the drain copies the data file (planned as ``records``) to a
+        persistent directory while it is written; else after the commit.
+        """
         if not self.config.persistent:
             return None
         # The writer's own first step, taken before the drain looks: it follows only the file of this save.
         unlink_quietly(os.path.join(self.local, data_file))
         committed: Future[TierManifest] = Future()
+        follow = records and beside_writer and drains_while_writing(self.config.drain_while_writing,
+                                                                    cores_per_local_rank())
         planned = Planned(tuple(records), config.checksum_block_bytes,
-                          settling_bytes(self.local, config)) if records else None
+                          settling_bytes(self.local, config)) if follow else None
         drainer().submit(Drain(committed, self.checkpoint_dir, self.local, self.rank, describe_node(), data_file,
                                self.config.retry_s, planned))
         return committed

@@ -63,7 +63,7 @@ from ...storage.persistent import is_object_store
 from ...storage.shared_memory import SharedBuffer
 from ...strategies.fastpersist_load import FastPersistLoadStrategy
 from ...strategies.fastpersist_save import FastPersistSaveStrategy
-from ...util.config import TierConfig
+from ...util.config import TierConfig, drains_while_writing
 from .baselines import CONTENDERS, DEVICE_BOUND, SHIM_NOTE, torch_dist_cpu_shims
 from .gpt_state import GptShape, gpt_sharded_state_dict
 from .runner import (
@@ -100,6 +100,7 @@ class LoopConfig:
     compute_ms: Optional[float] = None
     local_dir: Optional[str] = None  # the local tier of tiered contenders
     persistent: Optional[str] = None  # their persistent tier (a directory or msc:// URL); default the bench's
+    drain_while_writing: Optional[bool] = None  # TierConfig's, for tiered contenders
 
     @property
     def step_compute_ms(self) -> float:
@@ -184,7 +185,8 @@ class _Ours(_Checkpointer):
 def _tiered(loop: "LoopConfig") -> _Checkpointer:
     if loop.local_dir is None:
         raise ValueError("fastpersist_tiered needs a local tier: bench-train --local-dir PATH")
-    return _Ours(loop.bench, megatron_queue=False, tiers=TierConfig(os.path.abspath(loop.local_dir)))
+    return _Ours(loop.bench, megatron_queue=False, tiers=TierConfig(os.path.abspath(loop.local_dir),
+                                                                    drain_while_writing=loop.drain_while_writing))
 
 
 class _TorchDist(_Checkpointer):
@@ -679,6 +681,9 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory:
     notes = [] if torch.cuda.is_available() else [SHIM_NOTE]
     return {"ranks": cfg.bench.ranks, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
             "local_dir": cfg.local_dir, "persistent": cfg.persistent,
+            "drain_while_writing": drains_while_writing(cfg.drain_while_writing,
+                                                        len(os.sched_getaffinity(0)) / cfg.bench.ranks)
+            and not (cfg.persistent is not None and is_object_store(cfg.persistent)),
             "compute_ms": cfg.step_compute_ms, "matmuls_per_step": matmuls, "save_steps": cfg.save_steps,
             "reps": cfg.bench.reps, "directory": cfg.bench.directory,
             "copy_floor_bytes": floor.nbytes if floor else None, "copy_floor_s": floor.seconds if floor else None,
@@ -729,7 +734,8 @@ def format_loop_table(rep: dict) -> str:
         versus = (f" ({r['persisted_s'] / direct['sync_s']:.2f}x fastpersist's synchronous save straight to "
                   f"{rep['directory']}, {direct['sync_s']:.2f} s)" if direct else "")
         lines.append(f"{r['name']}: local commit {r['durable_s']:.2f} s after the call, durable on the persistent "
-                     f"tier {r['persisted_s']:.2f} s after it{versus}")
+                     f"tier {r['persisted_s']:.2f} s after it{versus}; the drain "
+                     f"{'followed the local write' if rep['drain_while_writing'] else 'started at the local commit'}")
         if r.get("restart"):
             s = r["restart"]
             lines.append(f"{r['name']}: restart (last repetition's synchronous save, page cache dropped, median of "
@@ -748,7 +754,7 @@ def format_loop_table(rep: dict) -> str:
 
 def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional[str],
                 compute_ms: Optional[float] = None, local_dir: Optional[str] = None,
-                persistent: Optional[str] = None) -> Optional[dict]:
+                persistent: Optional[str] = None, drain_while_writing: Optional[bool] = None) -> Optional[dict]:
     """:func:`run` for ``fastpersist-dist bench-train``: None, after saying why on stderr, on bad arguments."""
     names = tuple(contenders.split(",")) if contenders else DEFAULT_LOOP_CONTENDERS
     unknown = set(names) - set(CHECKPOINTERS)
@@ -764,5 +770,5 @@ def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional
         print(f"bench-train: --persistent {persistent} needs megatron-core's multi-storage-client support "
               "(megatron-core 0.19)", file=sys.stderr)
         return None
-    return run(LoopConfig(bench, steps, every, compute_ms, local_dir, persistent), names,
+    return run(LoopConfig(bench, steps, every, compute_ms, local_dir, persistent, drain_while_writing), names,
                progress=lambda m: print(m, file=sys.stderr))
