@@ -220,7 +220,8 @@ def test_bench_train_command_writes_json(tmp_path):
     assert list(rows) == ["none", "fastpersist", "fastpersist_tiered"] and report["save_steps"] == [2]
     tiered = rows["fastpersist_tiered"]
     assert tiered["persisted_s"] >= tiered["durable_s"] > 0, tiered
-    assert all(tiered["restart"][k] > 0 for k in ("from_local_s", "from_persistent_s", "local_read_bound_s"))
+    assert all(tiered["restart"][k] > 0 for k in ("from_local_s", "from_persistent_s", "local_read_bound_s",
+                                                  "local_checksummed_read_bound_s"))
     assert "fastpersist_tiered: local commit" in proc.stdout and "from the persistent tier" in proc.stdout
     assert not list((tmp_path / "persistent").iterdir()) and not list((tmp_path / "local").iterdir())  # all removed
     assert rows["fastpersist"]["call_s"] is None and rows["fastpersist"]["first_call_s"] > 0  # one save: no later call

@@ -30,8 +30,8 @@ also reports the time from the call until each checkpoint is durable on the
 persistent tier (polled after every step), and, after its last repetition, a
 restart: that repetition's synchronous save loaded from the local tier, then,
 its local copy removed, from the persistent tier, beside the local tier's read
-bound (the device bound's reads of as many bytes per rank), medians of as many
-loads as repetitions.
+bounds (the device bound's reads of as many bytes per rank, plain and with
+every byte hashed as a load must), medians of as many loads as repetitions.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from ...storage.shared_memory import SharedBuffer
 from ...strategies.fastpersist_load import FastPersistLoadStrategy
 from ...strategies.fastpersist_save import FastPersistSaveStrategy
 from ...util.config import TierConfig, drains_while_writing
-from .baselines import CONTENDERS, DEVICE_BOUND, SHIM_NOTE, torch_dist_cpu_shims
+from .baselines import CHECKSUMMED_BOUND, CONTENDERS, DEVICE_BOUND, SHIM_NOTE, torch_dist_cpu_shims
 from .gpt_state import GptShape, gpt_sharded_state_dict
 from .runner import (
     BenchConfig,
@@ -452,12 +452,13 @@ def _prepare(ckpt: str) -> None:
 
 def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict[str, float]:
     """Collective, one node: seconds to load ``ckpt`` from the local tier, then (its local copy removed) from the
-    persistent tier, and the device bound's reads of the same bytes per rank from the local tier (``bound_dir``):
-    medians of ``reps`` loads each (slowest rank), the local loads alternating with the bound's reads."""
+    persistent tier, and the device bound's reads of the same bytes per rank from the local tier (``bound_dir``),
+    plain and checksummed (every byte hashed, as a load must): medians of ``reps`` loads each (slowest rank), the
+    local loads alternating with the bounds' reads."""
     assert loop.local_dir is not None
     template = {k: _blank(v) for k, v in sd.items()}
     local_copy = local_copy_dir(os.path.abspath(loop.local_dir), ckpt)
-    bound = CONTENDERS[DEVICE_BOUND]
+    bounds = {name: CONTENDERS[name] for name in (DEVICE_BOUND, CHECKSUMMED_BOUND)}
 
     def dropped(*where: str) -> None:
         if dist.get_rank() == 0:
@@ -471,19 +472,24 @@ def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict
         return _over_ranks(_timed(lambda: dist_checkpointing.load(template, ckpt,
                                                                   sharded_strategy=FastPersistLoadStrategy())))
 
-    def read_bound() -> float:
-        dropped(bound_dir)
-        return _over_ranks(_timed(lambda: bound.load(template, bound_dir, loop.bench.write)))
+    def read_bound(name: str) -> float:
+        where = os.path.join(bound_dir, name)
+        dropped(where)
+        return _over_ranks(_timed(lambda: bounds[name].load(template, where, loop.bench.write)))
 
     if dist.get_rank() == 0:
         shutil.rmtree(bound_dir, ignore_errors=True)
-        os.makedirs(bound_dir)
+        for name in bounds:
+            os.makedirs(os.path.join(bound_dir, name))
     dist.barrier()
-    bound.save(sd, bound_dir, loop.bench.write)
-    from_local, bound_s = [], []
+    for name, bound in bounds.items():
+        bound.save(sd, os.path.join(bound_dir, name), loop.bench.write)
+    from_local: list[float] = []
+    bound_s: dict[str, list[float]] = {name: [] for name in bounds}
     for _ in range(loop.bench.reps):
         from_local.append(load())
-        bound_s.append(read_bound())
+        for name in bounds:
+            bound_s[name].append(read_bound(name))
     if dist.get_rank() == 0:
         shutil.rmtree(bound_dir, ignore_errors=True)
 
@@ -495,7 +501,8 @@ def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict
 
     from_persistent = [from_persistent_tier() for _ in range(loop.bench.reps)]
     return {"from_local_s": statistics.median(from_local), "from_persistent_s": statistics.median(from_persistent),
-            "local_read_bound_s": statistics.median(bound_s)}
+            "local_read_bound_s": statistics.median(bound_s[DEVICE_BOUND]),
+            "local_checksummed_read_bound_s": statistics.median(bound_s[CHECKSUMMED_BOUND])}
 
 
 def timed_sync_save(cp: _Checkpointer, sd: dict, root: str) -> float:
@@ -741,7 +748,9 @@ def format_loop_table(rep: dict) -> str:
             lines.append(f"{r['name']}: restart (last repetition's synchronous save, page cache dropped, median of "
                          f"{rep['reps']} loads each): from the "
                          f"local tier {s['from_local_s']:.2f} s ({s['local_read_bound_s'] / s['from_local_s']:.2f}x "
-                         f"the local read bound, {s['local_read_bound_s']:.2f} s), from the persistent tier "
+                         f"the local read bound, {s['local_read_bound_s']:.2f} s; "
+                         f"{s['local_checksummed_read_bound_s'] / s['from_local_s']:.2f}x the checksummed one, "
+                         f"{s['local_checksummed_read_bound_s']:.2f} s), from the persistent tier "
                          f"{s['from_persistent_s']:.2f} s")
     if rep.get("copy_floor_s") is not None:
         shares = ", ".join(f"{r['name']} {r['copy_floor_pct']:.0f}%" for r in rep["rows"] if "copy_floor_pct" in r)
