@@ -4,16 +4,18 @@ The window plan is pure and checked against its definition; the copy runs on
 real files, to the disk (O_DIRECT) and to tmpfs (buffered), with windows far
 smaller than the default so that blocks straddle windows. A copy that follows
 a file while a thread writes it is put in place only once its blocks match
-the checksums.
+the checksums. Processes of a node that fetch the same file fetch it once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,7 +33,7 @@ from fastpersist_dist.storage.copy import (
     receive_checked,
     window_plan,
 )
-from fastpersist_dist.storage.files import TMP_SUFFIX
+from fastpersist_dist.storage.files import TMP_SUFFIX, made_once
 from fastpersist_dist.util.errors import CorruptCheckpointError, FastPersistError
 
 pytestmark = pytest.mark.engine
@@ -289,3 +291,43 @@ def test_a_followed_copy_whose_save_failed_is_removed(tmp_path, dst_dir):
         growing.asked_past_half.set()
         growing.close()
     assert not [n for n in os.listdir(dst_dir) if n.startswith("dst.distcp")]
+
+
+def _make_slowly(path: str, log: str) -> None:
+    """A fetch: a while on the wire, then the file renamed into place whole; each call noted in ``log``."""
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(0.5)
+    with open(path + ".part", "wb") as f:
+        f.write(b"fetched")
+    os.replace(path + ".part", path)
+
+
+def _fetch_once(path: str, log: str, start: Any, since: float) -> None:
+    start.wait(30)
+    made_once(path, lambda: _make_slowly(path, log), since)
+
+
+@pytest.mark.parametrize("there_before", [False, True])
+def test_processes_that_need_the_same_file_make_it_once(tmp_path, there_before):
+    """Three processes of a node want the same file at once: one fetches it, the others use it, as does one that
+    asks once it is there. A file there before the load started (one found damaged) is fetched again, once."""
+    path, log = str(tmp_path / "__0_0.distcp"), str(tmp_path / "log")
+    if there_before:
+        with open(path, "wb") as f:
+            f.write(b"damaged")
+        os.utime(path, (time.time() - 60, time.time() - 60))  # written before the load started
+    ctx = multiprocessing.get_context("fork")
+    start, since = ctx.Event(), time.time()
+    procs = [ctx.Process(target=_fetch_once, args=(path, log, start, since)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert not made_once(path, lambda: _make_slowly(path, log), since)  # a rank that comes after it was made
+    with open(log) as f:
+        assert len(f.read().split()) == 1
+    with open(path, "rb") as f:
+        assert f.read() == b"fetched"

@@ -10,9 +10,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import functools
 import os
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from ..format.checksum import digest_bytes
 from ..util.errors import FastPersistError
@@ -50,6 +51,34 @@ def atomic_write(path: str, data: bytes) -> None:
         unlink_quietly(tmp)  # e.g. a full disk: leave no half-written temp file behind
         raise
     fsync_path(os.path.dirname(path) or ".")
+
+
+MAKING_PREFIX = ".fastpersist_making."  # made_once's lock file beside each file it makes
+
+
+def made_once(path: str, make: Callable[[], None], since: float) -> bool:
+    """``make()``, which writes ``path`` and puts it in place whole (a rename), unless another process already put
+    one written since ``since`` (a ``time.time()``) in place; whether this process made it.
+
+    The processes of a machine that need the same file (the ranks of a node
+    fetching one file of a checkpoint for a load that started at ``since``)
+    make it one at a time (an ``flock`` on a file beside it): the first makes
+    it, the others find it new and use it. An older file (one found damaged)
+    is made again.
+    """
+    head, tail = os.path.split(path)
+    fd = os.open(os.path.join(head, MAKING_PREFIX + tail), os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(path).st_mtime >= since:
+                return False
+        except FileNotFoundError:
+            pass
+        make()
+        return True
+    finally:
+        os.close(fd)
 
 
 def file_digest(path: str, who: str) -> Optional[str]:

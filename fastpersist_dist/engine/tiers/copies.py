@@ -11,13 +11,15 @@ left for the next one (``storage/reader.py``).
 The index comes from this node's copy, else from the persistent tier: its
 committed index once durable, before that the pending one. From an object
 store, the index and each data file a rank reads are fetched into this node's
-local copy first (checked on the way), which then serves the next load.
+local copy first (checked on the way), which then serves the next load; the
+ranks of a node that need the same file fetch it once (``storage.files.made_once``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -25,6 +27,7 @@ from ...format.checksum import digest_bytes
 from ...format.records import INDEX_FILE, CheckpointIndex
 from ...format.tiers import DURABLE, TIERS_FILE, TierManifest, local_copy_dir
 from ...storage.copy import AtomicFile, block_spans
+from ...storage.files import made_once
 from ...storage.persistent import PersistentDir, PosixDir, persistent_dir
 from ...util.errors import FastPersistError
 from .state import drained_files, newest_durable_beside, pending_dir, read_manifest
@@ -76,16 +79,20 @@ class Copies:
         a filesystem: the reader then opens the persistent tier's files where they are."""
         if self.home is None:
             return None
-        home = self.home
+        home, since = self.home, time.time()  # a file another rank of this node fetched since then is this load's
 
         def fetch(data_file: str) -> str:
             path = os.path.join(self.local, data_file)
             size = index.files[data_file]
             spans = block_spans([r for r in index.records if r.file == data_file], index.checksum_block_bytes,
                                 size, home.where(data_file))
-            seconds = home.fetch(data_file, path, spans, size, who)
-            logger.info("fastpersist: %s: fetched %s (%.3f GiB) into %s in %.2f s, every block checked", who,
-                        home.where(data_file), size / 2**30, self.local, seconds)
+            start = time.perf_counter()
+            if made_once(path, lambda: home.fetch(data_file, path, spans, size, who), since):
+                logger.info("fastpersist: %s: fetched %s (%.3f GiB) into %s in %.2f s, every block checked", who,
+                            home.where(data_file), size / 2**30, self.local, time.perf_counter() - start)
+            else:
+                logger.debug("fastpersist: %s: %s was fetched into %s by another rank of this node meanwhile (waited "
+                             "%.2f s)", who, data_file, self.local, time.perf_counter() - start)
             return path
 
         return home.url, self.local, fetch
