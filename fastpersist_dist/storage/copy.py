@@ -213,20 +213,27 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 
 @contextmanager
-def _written_whole(dst: str, where: str, who: str) -> Iterator[AtomicFile]:
-    """``dst`` as an :class:`AtomicFile`, committed when the block ends, abandoned where it raises; an error
-    other than ours is raised as ``FastPersistError`` naming both ends (``where``: the source)."""
+def _removed_on_error(dst: str, where: str, who: str) -> Iterator[AtomicFile]:
+    """``dst`` as an :class:`AtomicFile`, abandoned where the block raises; an error other than ours is raised as
+    ``FastPersistError`` naming both ends (``where``: the source)."""
     out = None
     try:
         out = AtomicFile(dst)
         yield out
-        out.commit()
-    except Exception as e:
+    except BaseException as e:
         if out is not None:
             out.abandon()
-        if isinstance(e, FastPersistError):  # CorruptCheckpointError among them: it names the damaged block
+        if isinstance(e, FastPersistError) or not isinstance(e, Exception):  # ours name the damaged block
             raise
         raise FastPersistError(f"{who}: copying {where} to {dst} failed: {type(e).__name__}: {e}") from e
+
+
+@contextmanager
+def _written_whole(dst: str, where: str, who: str) -> Iterator[AtomicFile]:
+    """:func:`_removed_on_error`, committed when the block ends."""
+    with _removed_on_error(dst, where, who) as out:
+        yield out
+        out.commit()
 
 
 def receive_checked(chunks: list[list[Span]], next_chunk: Callable[[list[Span]], bytes | memoryview], dst: str,
@@ -417,16 +424,10 @@ def copy_following(fd: int, src: str, dst: str, layout: list[Span], size: int, w
         base = chunk[0].start
         digests.extend((s.start, s.end, digest_bytes(data[s.start - base : s.end - base])) for s in chunk)
 
-    out = AtomicFile(dst)
-    try:
+    with _removed_on_error(dst, src, who) as out:
         wait(min(size, window))
         start = time.perf_counter()
         _copy_windows(fd, out, window_plan(layout, size, window), src, who, keep, wait)
-    except BaseException as e:
-        out.abandon()
-        if isinstance(e, FastPersistError) or not isinstance(e, Exception):
-            raise
-        raise FastPersistError(f"{who}: copying {src} to {dst} failed: {type(e).__name__}: {e}") from e
     return PendingCopy(out, digests, time.perf_counter() - start)
 
 
