@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import pickle
 import shutil
@@ -150,6 +151,24 @@ def test_verify_and_inspect_know_the_format(saved, tmp_path):
         run_ranks(1, load_dtype_state_plain, path)  # ours by default too (before: megatron's, checking nothing)
     proc_out = run_ranks(1, _inspect, saved)[0]
     assert "format: torch_dist" in proc_out and "PROBLEM" not in proc_out, proc_out
+
+
+def test_loads_by_pread_check_the_framing_read_beside_the_elements(saved, shm_dir):
+    """On tmpfs a load preads: a record's elements straight into the destination, the torch.save framing in the
+    same checksum blocks beside them into a staging buffer. A damaged byte anywhere in those blocks is caught."""
+    path = os.path.join(shm_dir, "ckpt")
+    shutil.copytree(saved, path)
+    assert min(run_ranks(2, _load_ours, path)) > 40
+    assert min(run_ranks(4, _load_ours, path)) > 40  # resharded: runs inside records
+    rec = next(r for r in read_index(path, "test").records if r.key == "float32.rows" and r.file == "__1_0.distcp")
+    assert 0 < rec.data_offset and rec.data_offset + 4 * math.prod(rec.local_shape) < rec.length  # framing both sides
+    victim = os.path.join(path, rec.file)
+    for at in (rec.offset + rec.data_offset - 1, rec.offset + rec.data_offset, rec.offset + rec.length - 1):
+        flip_bit(victim, at, 0x10)
+        with pytest.raises(RanksFailed, match="CorruptCheckpointError: .*checksum mismatch.*float32.rows"):
+            run_ranks(1, _load_ours, path)
+        flip_bit(victim, at, 0x10)  # whole again
+    assert min(run_ranks(1, _load_ours, path)) > 40
 
 
 def _inspect(rank: int, world: int, path: str) -> str:

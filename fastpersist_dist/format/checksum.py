@@ -7,7 +7,7 @@ storage device writes, so computing it while bytes stream costs little.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Sequence, Union
 
 import numpy as np
 import xxhash
@@ -64,13 +64,18 @@ class BlockHasher:
         self._filled = 0
 
 
-def first_bad_block(data: np.ndarray, expected: tuple[str, ...], block_bytes: int) -> int:
-    """Index (within ``expected``) of the first block of ``data`` whose checksum differs, or -1.
+def first_bad_block(pieces: Sequence[Buffer], expected: Sequence[str], block_bytes: int) -> int:
+    """Index (within ``expected``) of the first block whose checksum differs, or -1.
 
-    ``data`` must start on a block boundary and hold ``len(expected)`` blocks.
+    ``pieces``: the blocks' bytes back to back, in pieces of any size (a
+    record's framing and its elements, read into different buffers); they
+    start on a block boundary and hold ``len(expected)`` blocks.
     """
-    mv = memoryview(data)
+    hasher = BlockHasher(block_bytes)
+    for piece in pieces:
+        hasher.update(piece)
+    got = hasher.finish()
     for i, want in enumerate(expected):
-        if digest_bytes(mv[i * block_bytes : (i + 1) * block_bytes]) != want:
+        if i >= len(got) or got[i] != want:
             return i
     return -1

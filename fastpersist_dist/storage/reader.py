@@ -156,44 +156,48 @@ class ShardReader:
             )
         return fd
 
-    def _pread(self, record: ShardRecord, into: torch.Tensor, rel: int) -> None:
-        """Fill the 1-D uint8 CPU tensor ``into`` with record bytes from ``rel`` on."""
-        self.pread_at(record.file, into, record.offset + rel, record.describe())
-
     def pread_at(self, name: str, into: torch.Tensor, pos: int, what: str) -> None:
         """Fill the 1-D uint8 CPU tensor ``into`` with bytes of data file ``name`` from ``pos`` on."""
+        self._preadv(name, [memoryview(into.numpy())], pos, what)
+
+    def _preadv(self, name: str, views: list[memoryview], pos: int, what: str) -> None:
+        """Fill ``views`` (byte buffers) back to back with bytes of data file ``name`` from ``pos`` on."""
         fd = self._fd(name)
-        view = memoryview(into.numpy())
-        while view:
-            n = os.preadv(fd, [view[:READ_CALL_BYTES]], pos)
+        views = [v for v in views if len(v)]
+        while views:
+            n = os.preadv(fd, taken(views, READ_CALL_BYTES), pos)
             if n == 0:
                 raise CorruptCheckpointError(
                     f"{self.who}: unexpected end of {name} at byte {pos} while reading {what}"
                 )
-            view, pos = view[n:], pos + n
+            views, pos = skipped(views, n), pos + n
 
-    def _read_checked(self, record: ShardRecord, into: torch.Tensor, rel: int) -> None:
-        """``_pread`` then ``_check``, one checksum block at a time: each block is hashed while in cache."""
-        step = self.index.checksum_block_bytes if self.verify else into.numel() or 1
-        for start in range(0, into.numel(), step):
-            piece = into[start : start + step]
+    def _read_checked(self, record: ShardRecord, pieces: list[torch.Tensor], rel: int) -> None:
+        """Fill ``pieces`` (1-D uint8 CPU tensors, back to back from record byte ``rel``, which is block-aligned)
+        and verify them, one checksum block at a time: each block is hashed while in cache. A block that fails
+        is read again from the file's next copy, if it has one."""
+        views = [memoryview(p.numpy()) for p in pieces]
+        total = sum(len(v) for v in views)
+        step = self.index.checksum_block_bytes if self.verify else total or 1
+        for start in range(0, total, step):
+            window = taken(skipped(views, start), step)
             while True:
-                self._pread(record, piece, rel + start)
+                self._preadv(record.file, window, record.offset + rel + start, record.describe())
                 try:
-                    self._check(record, piece, rel + start)
+                    self._check(record, window, rel + start)
                     break
                 except CorruptCheckpointError as e:
                     if not self.next_copy(record.file, str(e)):
                         raise
 
-    def _check(self, record: ShardRecord, data: torch.Tensor, rel: int) -> None:
-        """Verify the whole blocks held in ``data``, which starts at block-aligned ``rel``."""
+    def _check(self, record: ShardRecord, window: list[memoryview], rel: int) -> None:
+        """Verify the whole blocks held in ``window``, which starts at block-aligned ``rel``."""
         if not self.verify:
             return
         block = self.index.checksum_block_bytes
         first = rel // block
-        count = -(-data.numel() // block)
-        bad = first_bad_block(data.numpy(), record.checksums[first : first + count], block)
+        count = -(-sum(len(v) for v in window) // block)
+        bad = first_bad_block(window, record.checksums[first : first + count], block)
         if bad >= 0:
             raise self.checksum_error(record, first + bad)
 
@@ -210,12 +214,12 @@ class ShardReader:
         step = max(1, VERIFY_CHUNK_BYTES // self.index.checksum_block_bytes) * self.index.checksum_block_bytes
         buffer = torch.empty(min(step, record.length), dtype=torch.uint8)
         for rel in range(0, record.length, step):
-            self._read_checked(record, buffer[: min(step, record.length - rel)], rel)
+            self._read_checked(record, [buffer[: min(step, record.length - rel)]], rel)
 
     def read_object(self, record: ShardRecord) -> bytes:
         """All bytes of an object record, verified."""
         data = torch.empty(record.length, dtype=torch.uint8)
-        self._read_checked(record, data, 0)
+        self._read_checked(record, [data], 0)
         return data.numpy().tobytes()
 
     def read_box(self, record: ShardRecord, extent: Extent, sub_off: Shape, sub_shape: Shape, dest: torch.Tensor) -> None:
@@ -225,10 +229,6 @@ class ShardReader:
         first = sum(o * s for o, s in zip(sub_off, strides))
         last = sum((o + n - 1) * s for o, n, s in zip(sub_off, sub_shape, strides))
         span = (last + 1 - first) * size
-        if span > MAX_STAGING_BYTES and split_axis(sub_shape) is not None:
-            for off, shp, part in halves(sub_off, sub_shape, dest):
-                self.read_box(record, extent, off, shp, part)
-            return
         starts, run = contiguous_runs(extent.shape, sub_off, sub_shape)
         base = record.data_offset + extent.byte_start
         ranges = coalesce(starts * size + base, run * size, MAX_READ_GAP)
@@ -236,14 +236,22 @@ class ShardReader:
             ranges = blocks_touched(ranges, self.index.checksum_block_bytes, record.length)
         saved_dtype = dtype_from_name(record.dtype)
         direct = _direct_target(dest, saved_dtype)
-        # Straight into the destination only when the sub-box is one run read exactly.
-        if direct is not None and len(starts) == 1 and ranges == [(base + first * size, base + (last + 1) * size)]:
-            self._read_checked(record, direct, ranges[0][0])
+        wanted = (base + first * size, base + (last + 1) * size)
+        # One run: its bytes straight into the destination, those of the checksum blocks it touches beyond it
+        # (a record's framing, neighbouring elements) into the staging buffer, all in one scattered read.
+        if direct is not None and len(starts) == 1 and len(ranges) == 1:
+            (lo, hi), (a, b) = ranges[0], wanted
+            staging = self._staging(a - lo + hi - b)
+            self._read_checked(record, [staging[: a - lo], direct, staging[a - lo :]], lo)
+            return
+        if span > MAX_STAGING_BYTES and split_axis(sub_shape) is not None:
+            for off, shp, part in halves(sub_off, sub_shape, dest):
+                self.read_box(record, extent, off, shp, part)
             return
         lo = ranges[0][0]
         staging = self._staging(ranges[-1][1] - lo)
         for a, b in ranges:
-            self._read_checked(record, staging[a - lo : b - lo], a)
+            self._read_checked(record, [staging[a - lo : b - lo]], a)
         # Whole checksum blocks may reach into a torch.save archive's trailer: not whole elements.
         elements = staging[: staging.numel() // size * size].view(saved_dtype)
         src = torch.as_strided(elements, sub_shape, strides, (base - lo) // size + first)
@@ -259,6 +267,29 @@ class ShardReader:
         if buf is None or buf.numel() < nbytes:
             buf = self._local.buffer = torch.empty(nbytes, dtype=torch.uint8)
         return buf[:nbytes]
+
+
+def taken(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The first ``nbytes`` of the buffers ``views`` taken back to back."""
+    out = []
+    for v in views:
+        if nbytes <= 0:
+            break
+        out.append(v[:nbytes])
+        nbytes -= len(out[-1])
+    return out
+
+
+def skipped(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """What follows the first ``nbytes`` of the buffers ``views`` taken back to back."""
+    out = []
+    for v in views:
+        if nbytes >= len(v):
+            nbytes -= len(v)
+            continue
+        out.append(v[nbytes:])
+        nbytes = 0
+    return out
 
 
 def halves(sub_off: Shape, sub_shape: Shape, dest: torch.Tensor) -> list[tuple[Shape, Shape, torch.Tensor]]:
