@@ -27,8 +27,8 @@ QUIET_ENV = "FASTPERSIST_QUIET"
 # Contenders of `bench` in table order (fastpersist_dist.tools.bench.baselines.CONTENDERS implements them)
 DEFAULT_CONTENDERS = ("device_bound", "device_bound_checksummed", "fastpersist", "fastpersist_async", "fastpersist_dcp",
                       "torch_dist", "torch_dist_fully_parallel", "torch_save")
-CONTENDER_NAMES = DEFAULT_CONTENDERS + ("fastpersist_unbalanced", "fastpersist_unshared", "fastpersist_dcp_ours", "fastpersist_dcp_fully_parallel",
-                                          "nvrx_local")
+CONTENDER_NAMES = DEFAULT_CONTENDERS + ("fastpersist_local_tier", "fastpersist_unbalanced", "fastpersist_unshared",
+                                        "fastpersist_dcp_ours", "fastpersist_dcp_fully_parallel", "nvrx_local")
 
 
 def _command(name: str) -> Callable[[argparse.Namespace], int]:

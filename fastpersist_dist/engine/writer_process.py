@@ -83,6 +83,7 @@ class WriterJob:
     items: list[ItemSpec]
     config: WriteConfig
     rank: int
+    reuse_from: Optional[str] = None  # a pool of retired files to overwrite one of (storage/recycle.py)
 
 
 def describe_items(items: list[WriteItem], buffer: SharedBuffer) -> list[ItemSpec]:
@@ -298,7 +299,7 @@ class _Writer:
             items = [WriteItem(s.record, self._bytes(s), s.prefix, s.suffix) for s in job.items]
         except KeyError as e:
             return "error", f"rank {job.rank}: the writer of {job.data_file} has no snapshot buffer {e}"
-        write_and_report(job.checkpoint_dir, items, job.config, job.rank, job.data_file)
+        write_and_report(job.checkpoint_dir, items, job.config, job.rank, job.data_file, job.reuse_from)
         return "done", None
 
     def _bytes(self, spec: ItemSpec) -> torch.Tensor:

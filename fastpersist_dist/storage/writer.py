@@ -45,6 +45,7 @@ from ..util.timing import Phases
 from .deepspeed_ops import LockedMemoryError, aio_available, aio_module, aio_resources, ensure_fast_file_writer_usable
 from .host_copy import copies_on_this_thread, copy_to_host
 from .host_staging import Ring, staging_block
+from .recycle import take
 from .shared_dir import on_memory_filesystem
 
 logger = logging.getLogger(__name__)
@@ -104,12 +105,16 @@ class _DirectSink:
 
 
 class _BufferedSink:
-    """Plain buffered writes + fsync: same bytes, for filesystems without O_DIRECT."""
+    """Plain buffered writes + fsync: same bytes, for filesystems without O_DIRECT.
+
+    Opened without truncation and cut to the bytes written at close: a retired
+    file put at ``path`` (``storage/recycle.py``) is overwritten in place.
+    """
 
     mode = MODE_BUFFERED
 
     def __init__(self, path: str):
-        self._file = open(path, "wb", buffering=0)
+        self._file = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644), "wb", buffering=0)
 
     def write(self, data: torch.Tensor) -> None:
         view = memoryview(data.numpy())
@@ -118,6 +123,7 @@ class _BufferedSink:
 
     def close(self) -> None:
         try:
+            self._file.truncate()
             os.fsync(self._file.fileno())
         finally:
             self._file.close()
@@ -361,13 +367,16 @@ def write_rank_file(
     items: list[WriteItem],
     cfg: WriteConfig,
     rank: int,
+    reuse_from: Optional[str] = None,
 ) -> WriteResult:
     """Write ``items`` (records placed by the planner, back to back) to ``path`` durably.
 
     Returns the records with their checksums. Raises if the file on disk does
     not hold exactly the planned bytes after fsync, or if a block read back (see
     :func:`confirm_on_disk`; ``cfg.readback_stride`` None skips it) differs. A file
-    left by a failed write is removed.
+    left by a failed write is removed. ``reuse_from``: a pool of retired files
+    (``storage/recycle.py``) of which one is overwritten where the write is
+    buffered (tmpfs), instead of a new file.
     """
     start_time = time.perf_counter()
     block = cfg.checksum_block_bytes
@@ -375,6 +384,8 @@ def write_rank_file(
     expected = sum(item.record.length for item in items)
     if os.path.lexists(path):
         os.unlink(path)  # FastFileWriter opens without O_TRUNC: old bytes would survive.
+    reused = reuse_from is not None and _buffered_by_choice(os.path.dirname(path) or ".", cfg) and take(
+        reuse_from, path)
     try:
         sink = _open_sink(path, cfg)
     except OSError as e:
@@ -398,8 +409,9 @@ def write_rank_file(
         raise
     seconds = time.perf_counter() - start_time
     logger.debug(
-        "fastpersist: rank %d wrote %.3f GiB to %s in %.2f s (%.2f GiB/s, %s): %s",
-        rank, expected / 2**30, path, seconds, expected / 2**30 / max(seconds, 1e-9), sink.mode, phases,
+        "fastpersist: rank %d wrote %.3f GiB to %s in %.2f s (%.2f GiB/s, %s%s): %s",
+        rank, expected / 2**30, path, seconds, expected / 2**30 / max(seconds, 1e-9), sink.mode,
+        ", over a retired file" if reused else "", phases,
     )
     return WriteResult(out, expected, seconds, sink.mode)
 

@@ -20,8 +20,10 @@ import shutil
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-from ...format.tiers import DURABLE, TierManifest
+from ...format.tiers import DURABLE, TIERS_FILE, TierManifest
+from ...storage.files import unlink_quietly
 from ...storage.persistent import PosixDir, persistent_dir
+from ...storage.recycle import retire
 from ...util.config import TierConfig
 from ...util.errors import FastPersistError
 from .state import read_manifest
@@ -45,8 +47,9 @@ def reading(copy_dir: Optional[str]) -> Iterator[None]:
         os.close(fd)
 
 
-def _remove_unless_read(path: str) -> bool:
-    """Remove the copy at ``path`` unless a load holds it; whether it was removed."""
+def _remove_unless_read(path: str, manifest: TierManifest, recycled: Optional[str], limit: int) -> bool:
+    """Remove the copy at ``path`` unless a load holds it; whether it was removed. ``recycled``: the pool its data
+    files go to (at most ``limit`` files there; ``storage/recycle.py``), the manifest removed first."""
     try:
         fd = os.open(os.path.join(path, IN_USE_FILE), os.O_RDONLY | os.O_CREAT, 0o644)
     except OSError:
@@ -56,14 +59,21 @@ def _remove_unless_read(path: str) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        if recycled is not None:
+            unlink_quietly(os.path.join(path, TIERS_FILE))  # no longer a copy of anything
+            kept = retire(recycled, [os.path.join(path, f) for f in sorted(manifest.files)
+                                     if os.path.isfile(os.path.join(path, f))], limit)
+            logger.debug("fastpersist: %d data files of %s kept in %s for the next save to overwrite", kept, path,
+                         recycled)
         shutil.rmtree(path, ignore_errors=True)
         return True
     finally:
         os.close(fd)
 
 
-def retain(config: TierConfig, current: TierManifest) -> None:
-    """Remove this node's local copies that are no longer kept (see the module)."""
+def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = None, limit: int = 0) -> None:
+    """Remove this node's local copies that are no longer kept (see the module); ``recycled``, ``limit``: where
+    their data files go instead, and how many (the node's ranks: one per writer of the next save)."""
     copies = []
     for name in os.listdir(config.local_dir):
         path = os.path.join(config.local_dir, name)
@@ -81,7 +91,7 @@ def retain(config: TierConfig, current: TierManifest) -> None:
         if manifest.checkpoint_id == current.checkpoint_id or path == newest_durable or (
                 manifest.persistent and not _durable(manifest)):
             continue
-        if _remove_unless_read(path):
+        if _remove_unless_read(path, manifest, recycled, limit):
             logger.info("fastpersist: removed the local copy %s of %s (%s; %d newer copies kept)", path,
                         manifest.checkpoint_dir, "durable" if manifest.persistent else "a local checkpoint",
                         config.keep_local)

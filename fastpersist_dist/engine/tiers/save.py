@@ -34,6 +34,8 @@ from ...format.tiers import LOCAL, TIERS_FILE, TierManifest, local_copy_dir
 from ...plan.replicas import replica_nodes
 from ...storage.files import atomic_write, fsync_path, unlink_quietly
 from ...storage.persistent import persistent_dir, write_at_once
+from ...storage.recycle import pool_dir
+from ...storage.shared_dir import on_memory_filesystem
 from ...storage.writer import settling_bytes
 from ...util.config import TierConfig, WriteConfig, drains_while_writing
 from ...util.cores import cores_per_local_rank
@@ -61,6 +63,9 @@ class TieredSave:
     replicas: tuple[tuple[int, ...], ...]  # node -> the nodes that keep copies of its files
     group: Optional[dist.ProcessGroup]  # the replication group, where there are replicas
     rank: int
+    # Where the node's retired data files wait to be overwritten (storage/recycle.py): a local tier in memory whose
+    # drain does not follow the write (it follows a file's length, which an overwritten file has from the start).
+    recycled: Optional[str]
 
     @classmethod
     def start(cls, config: TierConfig, checkpoint_dir: str) -> "TieredSave":
@@ -74,7 +79,9 @@ class TieredSave:
         group = replication_group() if config.replicas else None
         local = local_copy_dir(config.local_dir, checkpoint_dir)
         os.makedirs(local, exist_ok=True)
-        return cls(config, checkpoint_dir, local, topo, replicas, group, dist.get_rank())
+        follows = config.persistent and drains_while_writing(config.drain_while_writing, cores_per_local_rank())
+        recycled = pool_dir(config.local_dir) if on_memory_filesystem(config.local_dir) and not follows else None
+        return cls(config, checkpoint_dir, local, topo, replicas, group, dist.get_rank(), recycled)
 
     @property
     def node(self) -> int:
@@ -178,7 +185,7 @@ class TieredSave:
         if self.group is not None:
             replicator().submit(Replication(manifest, self.local, self.rank, describe_node(), self.group))
         if self.node_leader:
-            retain(self.config, manifest)
+            retain(self.config, manifest, self.recycled, len(self.topology.nodes[self.node]))
         return manifest
 
     def _next_steps(self) -> str:

@@ -37,12 +37,13 @@ from ...storage.deepspeed_ops import AioResources, aio_resources
 from ...storage.files import fsync_path
 from ...strategies.fastpersist_load import FastPersistLoadStrategy
 from ...strategies.fastpersist_save import FastPersistSaveStrategy
-from ...util.config import WriteConfig
+from ...util.config import TierConfig, WriteConfig
 
 SHIM_NOTE = "torch_dist ran with torch.cuda.synchronize/current_device stubbed (CPU-only torch)"
 DEVICE_BOUND = "device_bound"
 NVRX_ALGO = "atomic"  # what nvidia-resiliency-ext's local checkpoints can do on a host (see _nvrx_local_save)
 CHECKSUMMED_BOUND = "device_bound_checksummed"
+LOCAL_TIER_DIR = "local-tier"  # fastpersist_local_tier's, in the benchmark's directory
 
 
 @contextmanager
@@ -88,6 +89,16 @@ def _fully_parallel_save(sd: dict, ckpt: str, _: WriteConfig) -> None:
 
 def _fastpersist_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
     dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy("fastpersist", config=config))
+
+
+def _local_tier_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
+    """A local checkpoint only (``persistent=False``) into a local tier beside the benchmark's checkpoints that keeps
+    one copy: from the second repetition on, each save retires the last one's copy and overwrites its data files
+    (on tmpfs: no page allocated or freed), as a training run's saves do once ``keep_local`` copies exist."""
+    tiers = TierConfig(os.path.join(os.path.dirname(os.path.abspath(ckpt)), LOCAL_TIER_DIR), keep_local=1,
+                       persistent=False)
+    dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy("fastpersist", config=config,
+                                                                               tiers=tiers))
 
 
 def _dcp_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
@@ -289,6 +300,10 @@ CONTENDERS: dict[str, Contender] = {
                                    start=_fastpersist_async_start),
     "fastpersist_unbalanced": Contender(_unbalanced_save, _fastpersist_load, True,
                                         "FastPersist with balance=False: main replicas write everything"),
+    "fastpersist_local_tier": Contender(_local_tier_save, _fastpersist_load, True,
+                                        f"FastPersist tiered, a local checkpoint in {LOCAL_TIER_DIR}/ beside the "
+                                        "others keeping one copy (a save retires the last one's): the local tier's "
+                                        "write path in a training run's steady state"),
     "fastpersist_unshared": Contender(_fastpersist_save, _unshared_load, True,
                                       "FastPersist, loads with share_reads='off' (each rank reads all it needs)"),
     "fastpersist_dcp": Contender(_dcp_save, _megatron_load, True,

@@ -45,7 +45,7 @@ from ...storage.writer import preload_ops
 from ...util import progress
 from ...util.config import WriteConfig
 from ..ranks import run_ranks
-from .baselines import CONTENDERS, DEFAULT_CONTENDERS, DEVICE_BOUND, SHIM_NOTE
+from .baselines import CONTENDERS, DEFAULT_CONTENDERS, DEVICE_BOUND, LOCAL_TIER_DIR, SHIM_NOTE
 from .gpt_state import GptShape, gpt_sharded_state_dict
 
 logger = logging.getLogger(__name__)
@@ -305,6 +305,8 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
         f"{shape.total_bytes() / GiB:.2f} GiB, {cfg.reps} reps of {', '.join(cfg.contenders)} in {cfg.directory}"
     )
     shape, results = on_ranks(cfg.ranks, _rank_main, cfg)[0]
+    if not cfg.keep:  # fastpersist_local_tier's copies and retired files
+        shutil.rmtree(os.path.join(cfg.directory, LOCAL_TIER_DIR), ignore_errors=True)
     return report(cfg, shape, results)
 
 
