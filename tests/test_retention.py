@@ -15,7 +15,7 @@ import pytest
 import torch
 from megatron.core import dist_checkpointing
 
-from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, TierConfig, wait_durable
+from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, TierConfig, wait_copies, wait_durable
 from fastpersist_dist.engine.tiers.retention import reading, retain
 from fastpersist_dist.format.records import INDEX_FILE
 from fastpersist_dist.format.tiers import DURABLE, LOCAL, TIERS_FILE, TierManifest, local_copy_dir
@@ -134,7 +134,7 @@ def _train(rank: int, world: int, local: str, root: str, steps: int) -> list[str
             os.makedirs(ckpt)
         torch.distributed.barrier()
         dist_checkpointing.save(state(rank, world, step, rows=2048), ckpt, sharded_strategy=strategy)
-        assert wait_durable(ckpt, timeout=120)
+        assert wait_durable(ckpt, timeout=120) and wait_copies(timeout=120)  # the retention of the copies, too
     for step in range(steps):
         want = state(rank, world, step, rows=2048)
         loaded = dist_checkpointing.load({k: empty_like_request(v) for k, v in want.items()},

@@ -1,4 +1,5 @@
-"""The threads that move tiered checkpoints while training goes on: one replicates, one drains.
+"""The threads that move tiered checkpoints while training goes on: one replicates, one drains, one removes the
+local copies a node no longer keeps.
 
 Each runs its jobs one after another, in the order of the saves, so a rank's
 part of checkpoint N is done before its part of N+1, on every rank alike (the
@@ -28,6 +29,7 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 from ...util.per_process import PerProcess
 from .drain import Drain, drain
 from .replicate import Replication, replicate
+from .retention import Retention, run_retention
 
 logger = logging.getLogger(__name__)
 
@@ -77,18 +79,21 @@ class Worker(Generic[J]):
 
 _replicator = PerProcess(lambda: Worker("fastpersist-replicate", replicate))
 _drainer = PerProcess(lambda: Worker("fastpersist-drain", drain))
+_retainer = PerProcess(lambda: Worker("fastpersist-retain", run_retention))
 replicator: Callable[[], Worker[Replication]] = _replicator.get
 drainer: Callable[[], Worker[Drain]] = _drainer.get
+retainer: Callable[[], Worker[Retention]] = _retainer.get
 
 
 def _workers() -> list[Worker[Any]]:
     """This process's workers made so far."""
-    return [w.get() for w in (_replicator, _drainer) if w.made()]
+    return [w.get() for w in (_replicator, _drainer, _retainer) if w.made()]
 
 
 def wait_copies(timeout: Optional[float] = None) -> bool:
-    """Wait until this process's replicas and copies to the persistent tier submitted so far are done (at most
-    ``timeout`` s); whether they are. Before ``destroy_process_group``: the replicas travel over a process group."""
+    """Wait until this process's replicas, copies to the persistent tier and removals of local copies no longer
+    kept, submitted so far, are done (at most ``timeout`` s); whether they are. Before ``destroy_process_group``:
+    the replicas travel over a process group."""
     end = None if timeout is None else time.monotonic() + timeout
     while any(w.pending for w in _workers()):
         if end is not None and time.monotonic() > end:
