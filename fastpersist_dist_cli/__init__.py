@@ -162,9 +162,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--local-dir", help="the local tier of fastpersist_tiered (e.g. /dev/shm/ckpt, or an NVMe path)")
     t.add_argument("--persistent", help="the persistent tier of fastpersist_tiered: a directory or an msc:// URL "
                    "(default: the benchmark directory)")
-    t.add_argument("--drain-while-writing", choices=("auto", "on", "off"), default="auto",
+    t.add_argument("--drain-while-writing", choices=("on", "off"), default="off",
                    help="fastpersist_tiered's TierConfig.drain_while_writing: copy to the persistent tier while the "
-                        "local write goes on (auto: where each rank has 4 cores or more)")
+                        "local write goes on")
     t.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     t.set_defaults(func=_command("bench_train"))
     w = sub.add_parser("sweep", help="search the write knobs one at a time around the defaults (FastPersist save)")

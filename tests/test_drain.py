@@ -2,9 +2,9 @@
 
 Every rank's drain writes into the same directory at once (its data file, its marker); rank 0 also removes
 what an earlier checkpoint of that name left. It must never remove what another rank of this checkpoint is
-writing: each rank copies its data file while it is written and leaves its marker right after the local commit,
-often while rank 0 is still clearing. Whether a drain follows the write by default depends on the cores a rank
-has; a drain that copied a file for a save whose finalize never ran removes its copy when the process exits.
+writing: with ``drain_while_writing`` each rank copies its data file while it is written and leaves its marker
+right after the local commit, often while rank 0 is still clearing. A drain that copied a file for a save whose
+finalize never ran removes its copy when the process exits.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import LOCAL, TierManifest
 from fastpersist_dist.storage.files import TMP_SUFFIX
 from fastpersist_dist.storage.persistent import PosixDir
-from fastpersist_dist.util.config import DRAIN_WHILE_WRITING_CORES, drains_while_writing
 
 pytestmark = pytest.mark.engine
 
@@ -51,12 +50,6 @@ def test_rank_0_clears_an_earlier_checkpoint_and_keeps_what_this_one_is_writing(
         open(os.path.join(home, name), "wb").close()
     _remove_stale_files(PosixDir(home), now)
     assert sorted(os.listdir(home)) == sorted(ours + others)
-
-
-def test_the_drain_follows_the_write_by_default_only_where_each_rank_has_cores_to_spare():
-    assert not drains_while_writing(None, DRAIN_WHILE_WRITING_CORES - 1)
-    assert drains_while_writing(None, DRAIN_WHILE_WRITING_CORES)
-    assert drains_while_writing(True, 1) and not drains_while_writing(False, 64)
 
 
 NEVER_FINALIZED = textwrap.dedent("""

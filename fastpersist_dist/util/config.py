@@ -157,18 +157,6 @@ class ReadConfig(AioKnobs):
         _check_choice("share_reads", self.share_reads)
 
 
-# Cores per rank from which an async save's drain follows the write by default: one for the training loop, one
-# for the rank's writer, one for the drain, one to spare. On two (one rank on two cores, 2026-11-27) the drain
-# made the local write a third slower.
-DRAIN_WHILE_WRITING_CORES = 4
-
-
-def drains_while_writing(setting: Optional[bool], cores_per_rank: float) -> bool:
-    """Whether an async save's drain follows its write (``TierConfig.drain_while_writing`` is ``setting``), each
-    rank having ``cores_per_rank`` cores."""
-    return cores_per_rank >= DRAIN_WHILE_WRITING_CORES if setting is None else setting
-
-
 @dataclass(frozen=True)
 class TierConfig:
     """Where a tiered save keeps its copies (docs/tiers.md).
@@ -199,9 +187,9 @@ class TierConfig:
     drain_while_writing: an async save's data files start their copy to a
         persistent directory while the writer is still writing them into the
         local tier (put in place after the local commit, once they match the
-        index): durable sooner, but the copy competes with the local write for
-        cores and memory bandwidth. None: where each rank of the node has
-        ``DRAIN_WHILE_WRITING_CORES`` cores or more; True or False: always or never.
+        index): durable sooner, but the copy competes with the local write and
+        the training loop (off by default: with 8 cores per rank the loop lost
+        four times as much per checkpoint with it; docs/tiers.md#benchmark).
     """
 
     local_dir: str
@@ -210,7 +198,7 @@ class TierConfig:
     persistent: bool = True
     retry_s: float = 900.0
     local_only_under: Optional[str] = None
-    drain_while_writing: Optional[bool] = None
+    drain_while_writing: bool = False
 
     def for_checkpoint(self, checkpoint_dir: str) -> "TierConfig":
         """The settings of one save into ``checkpoint_dir``: local only under ``local_only_under``."""

@@ -37,8 +37,7 @@ from ...storage.persistent import persistent_dir, write_at_once
 from ...storage.recycle import pool_dir
 from ...storage.shared_dir import on_memory_filesystem
 from ...storage.writer import settling_bytes
-from ...util.config import TierConfig, WriteConfig, drains_while_writing
-from ...util.cores import cores_per_local_rank
+from ...util.config import TierConfig, WriteConfig
 from ...util.errors import FastPersistError, SaveFailedError
 from ..agreement import Agreement, failure
 from ..directory import invalidate
@@ -79,7 +78,7 @@ class TieredSave:
         group = replication_group() if config.replicas else None
         local = local_copy_dir(config.local_dir, checkpoint_dir)
         os.makedirs(local, exist_ok=True)
-        follows = config.persistent and drains_while_writing(config.drain_while_writing, cores_per_local_rank())
+        follows = config.persistent and config.drain_while_writing
         recycled = pool_dir(config.local_dir) if on_memory_filesystem(config.local_dir) and not follows else None
         return cls(config, checkpoint_dir, local, topo, replicas, group, dist.get_rank(), recycled)
 
@@ -122,8 +121,7 @@ class TieredSave:
         # The writer's own first step, taken before the drain looks: it follows only the file of this save.
         unlink_quietly(os.path.join(self.local, data_file))
         committed: Future[TierManifest] = Future()
-        follow = records and beside_writer and drains_while_writing(self.config.drain_while_writing,
-                                                                    cores_per_local_rank())
+        follow = records and beside_writer and self.config.drain_while_writing
         planned = Planned(tuple(records), config.checksum_block_bytes,
                           settling_bytes(self.local, config)) if follow else None
         drainer().submit(Drain(committed, self.checkpoint_dir, self.local, self.rank, describe_node(), data_file,

@@ -63,7 +63,7 @@ from ...storage.persistent import is_object_store
 from ...storage.shared_memory import SharedBuffer
 from ...strategies.fastpersist_load import FastPersistLoadStrategy
 from ...strategies.fastpersist_save import FastPersistSaveStrategy
-from ...util.config import TierConfig, drains_while_writing
+from ...util.config import TierConfig
 from .baselines import CHECKSUMMED_BOUND, CONTENDERS, DEVICE_BOUND, SHIM_NOTE, torch_dist_cpu_shims
 from .gpt_state import GptShape, gpt_sharded_state_dict
 from .runner import (
@@ -100,7 +100,7 @@ class LoopConfig:
     compute_ms: Optional[float] = None
     local_dir: Optional[str] = None  # the local tier of tiered contenders
     persistent: Optional[str] = None  # their persistent tier (a directory or msc:// URL); default the bench's
-    drain_while_writing: Optional[bool] = None  # TierConfig's, for tiered contenders
+    drain_while_writing: bool = False  # TierConfig's, for tiered contenders
 
     @property
     def step_compute_ms(self) -> float:
@@ -688,8 +688,7 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory:
     notes = [] if torch.cuda.is_available() else [SHIM_NOTE]
     return {"ranks": cfg.bench.ranks, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
             "local_dir": cfg.local_dir, "persistent": cfg.persistent,
-            "drain_while_writing": drains_while_writing(cfg.drain_while_writing,
-                                                        len(os.sched_getaffinity(0)) / cfg.bench.ranks)
+            "drain_while_writing": cfg.drain_while_writing
             and not (cfg.persistent is not None and is_object_store(cfg.persistent)),
             "compute_ms": cfg.step_compute_ms, "matmuls_per_step": matmuls, "save_steps": cfg.save_steps,
             "reps": cfg.bench.reps, "directory": cfg.bench.directory,
@@ -763,7 +762,7 @@ def format_loop_table(rep: dict) -> str:
 
 def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional[str],
                 compute_ms: Optional[float] = None, local_dir: Optional[str] = None,
-                persistent: Optional[str] = None, drain_while_writing: Optional[bool] = None) -> Optional[dict]:
+                persistent: Optional[str] = None, drain_while_writing: bool = False) -> Optional[dict]:
     """:func:`run` for ``fastpersist-dist bench-train``: None, after saying why on stderr, on bad arguments."""
     names = tuple(contenders.split(",")) if contenders else DEFAULT_LOOP_CONTENDERS
     unknown = set(names) - set(CHECKPOINTERS)
