@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -154,3 +158,45 @@ def test_tiered_saves_in_memory_overwrite_the_files_of_the_copies_they_retire(sh
         assert len(lines) == 5, lines
         assert ["over a retired file" in line for line in lines] == [False, False, False, True, True], lines
     assert len(os.listdir(pool_dir(local))) <= 2
+
+
+RETIRING_PROCESS = textwrap.dedent("""
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from fastpersist_dist import FastPersistSaveStrategy, TierConfig, wait_copies
+
+    local, root = sys.argv[1:3]
+    dist.init_process_group("gloo")
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(1 << 20, dtype=torch.float32), replica_id=0)}
+    strategy = FastPersistSaveStrategy(tiers=TierConfig(local, keep_local=1, persistent=False))
+    for step in range(2):
+        os.makedirs(f"{root}/step{step}")
+        dist_checkpointing.save(sd, f"{root}/step{step}", sharded_strategy=strategy)
+    assert wait_copies(timeout=60)
+    print("retired:", len(os.listdir(os.path.join(local, ".fastpersist_recycled"))), flush=True)
+""")
+
+
+def test_retired_files_no_save_took_are_removed_when_the_process_exits(shm_dir, tmp_path):
+    """Two local checkpoints keeping one copy: the second save retires the first one's data file, which no
+    later save takes; the process's exit removes it."""
+    local = os.path.join(shm_dir, "local")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    done = subprocess.run([sys.executable, "-c", RETIRING_PROCESS, local, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "retired: 1" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert not os.path.exists(pool_dir(local)) or os.listdir(pool_dir(local)) == []
+    assert _kept(local) == [os.path.basename(local_copy_dir(local, str(tmp_path / "step1")))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -3,20 +3,21 @@ and allocated again.
 
 On tmpfs (``/dev/shm``) writing a new file allocates every page, and removing
 an old one frees every page: both are kernel work on the cores the training
-uses, and a write into a new file ran at 2.5 GB/s where overwriting a file of
-the same size ran at 6.5 GB/s (the development VM, 0.5 GiB, 4 MiB writes). A
+uses, and a write into a new file ran at 2.5 GiB/s where overwriting a file of
+the same size ran at 6.5 GiB/s (the development VM, 0.5 GiB, 4 MiB writes). A
 node's local tier in memory retires a checkpoint's copy at every save beyond
 ``keep_local``; its data files are moved into :data:`POOL_DIR` (a rename)
 instead of removed, at most as many as the node's ranks write per save, and
 each rank's next write takes one (a rename again: one taker per file),
 overwrites it and cuts it to its new length (``storage/writer.py``). A file
-in the pool belongs to no checkpoint: nothing reads it, and it is removed
-when the process that retired it exits.
+in the pool belongs to no checkpoint: nothing reads it, and the process that
+retired it removes it when it exits (:func:`empty_pools`, after its
+background work).
 """
 
 from __future__ import annotations
 
-import atexit
+import errno
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ from .files import unlink_quietly
 logger = logging.getLogger(__name__)
 
 POOL_DIR = ".fastpersist_recycled"  # in a local tier's directory, beside its checkpoints' copies
-_emptied_at_exit: set[str] = set()
+_filled: set[str] = set()  # the pools this process retired files into
 
 
 def pool_dir(local_dir: str) -> str:
@@ -39,12 +40,10 @@ def pool_dir(local_dir: str) -> str:
 def retire(pool: str, paths: Iterable[str], limit: int) -> int:
     """Move the files ``paths`` into ``pool`` while it holds fewer than ``limit`` files; remove the others.
 
-    Returns how many were kept. The pool is emptied when this process exits.
+    Returns how many were kept.
     """
     os.makedirs(pool, exist_ok=True)
-    if pool not in _emptied_at_exit:
-        _emptied_at_exit.add(pool)
-        atexit.register(shutil.rmtree, pool, True)
+    _filled.add(pool)
     held = len(os.listdir(pool))
     kept = 0
     for path in paths:
@@ -64,12 +63,20 @@ def take(pool: str, path: str) -> bool:
     from one pool at once: each file goes to one of them."""
     try:
         names = os.listdir(pool)
-    except FileNotFoundError:
+    except OSError:  # none yet
         return False
     for name in names:
         try:
             os.rename(os.path.join(pool, name), path)
             return True
-        except FileNotFoundError:  # another rank took it
-            continue
+        except OSError as e:  # another rank took it; anything else: a new file then
+            if e.errno != errno.ENOENT:
+                logger.debug("fastpersist: %s not reused: %s", os.path.join(pool, name), e)
     return False
+
+
+def empty_pools() -> None:
+    """Remove the files this process retired that no save took (at exit: nothing will)."""
+    for pool in sorted(_filled):
+        shutil.rmtree(pool, ignore_errors=True)
+    _filled.clear()

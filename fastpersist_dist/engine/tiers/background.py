@@ -12,7 +12,8 @@ under way.
 A process that ends while copies are still under way waits for them at exit
 (logging what it waits for), so a training script's last checkpoint still
 becomes durable; ``FASTPERSIST_EXIT_WAIT_S`` bounds that wait. Drains of
-saves never committed (finalize never ran) are given up first.
+saves never committed (finalize never ran) are given up first; retired files
+no save took are removed last (``storage/recycle.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from concurrent.futures import InvalidStateError
 from typing import Any, Callable, Generic, Optional, TypeVar
 
+from ...storage.recycle import empty_pools
 from ...util.per_process import PerProcess
 from .drain import Drain, drain
 from .replicate import Replication, replicate
@@ -114,6 +116,13 @@ def _give_up_uncommitted() -> None:
 
 
 def _wait_at_exit() -> None:
+    try:
+        _wait_for_copies()
+    finally:
+        empty_pools()
+
+
+def _wait_for_copies() -> None:
     _give_up_uncommitted()
     pending = sum(w.pending for w in _workers())
     if not pending:
