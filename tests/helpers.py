@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import subprocess
 import sys
 import zlib
 from typing import Optional, Union
@@ -30,6 +32,18 @@ ADDED_OBJECTS: set[str] = {"common_state"} if COMMON_STATE_OBJECT else set()
 ASYNC_KW: dict = compat.ASYNC_SAVE_KWARGS
 # scripts/setup.sh puts nvidia-resiliency-ext there (megatron-core 0.17+), beside the venv, not on its path.
 NVRX_DIR = os.path.join(sys.prefix, "nvrx")
+
+
+def run_one_rank_script(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -c script *args`` as the one rank of a process group (torchrun's variables, a free loopback
+    port): for a test that needs the process's exit (its atexit hooks), which forked ranks never reach."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def megatron_queue(async_strategy: str):

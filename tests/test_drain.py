@@ -10,9 +10,6 @@ finalize never ran removes its copy when the process exits.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -25,6 +22,8 @@ from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import LOCAL, TierManifest
 from fastpersist_dist.storage.files import TMP_SUFFIX
 from fastpersist_dist.storage.persistent import PosixDir
+
+from .helpers import run_one_rank_script
 
 pytestmark = pytest.mark.engine
 
@@ -84,17 +83,9 @@ def test_a_save_never_finalized_leaves_nothing_in_the_persistent_directory(tmp_p
     at exit the copy is removed, and the process ends."""
     ckpt, local = tmp_path / "persistent" / "step1", tmp_path / "local"
     ckpt.mkdir(parents=True)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    done = subprocess.run([sys.executable, "-c", NEVER_FINALIZED, str(local), str(ckpt)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = run_one_rank_script(NEVER_FINALIZED, str(local), str(ckpt))
     assert done.returncode == 0 and "written" in done.stdout, done.stderr[-3000:]
     assert [n for n in os.listdir(local) if os.listdir(local / n)], "the local copy holds the written file"
     assert not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX) or is_data_file(n)], os.listdir(ckpt)
     assert checkpoint_state(str(ckpt)) is None
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -30,7 +27,7 @@ from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.util.config import MiB, WriteConfig
 
 from .faults import random_records
-from .helpers import empty_like_request, logged
+from .helpers import empty_like_request, logged, run_one_rank_script
 from .tiers_driver import state
 
 pytestmark = pytest.mark.engine
@@ -170,6 +167,7 @@ RETIRING_PROCESS = textwrap.dedent("""
     from megatron.core.dist_checkpointing import ShardedTensor
 
     from fastpersist_dist import FastPersistSaveStrategy, TierConfig, wait_copies
+    from fastpersist_dist.storage.recycle import pool_dir
 
     local, root = sys.argv[1:3]
     dist.init_process_group("gloo")
@@ -179,7 +177,7 @@ RETIRING_PROCESS = textwrap.dedent("""
         os.makedirs(f"{root}/step{step}")
         dist_checkpointing.save(sd, f"{root}/step{step}", sharded_strategy=strategy)
     assert wait_copies(timeout=60)
-    print("retired:", len(os.listdir(os.path.join(local, ".fastpersist_recycled"))), flush=True)
+    print("retired:", len(os.listdir(pool_dir(local))), flush=True)
 """)
 
 
@@ -187,16 +185,8 @@ def test_retired_files_no_save_took_are_removed_when_the_process_exits(shm_dir, 
     """Two local checkpoints keeping one copy: the second save retires the first one's data file, which no
     later save takes; the process's exit removes it."""
     local = os.path.join(shm_dir, "local")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    done = subprocess.run([sys.executable, "-c", RETIRING_PROCESS, local, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = run_one_rank_script(RETIRING_PROCESS, local, str(tmp_path))
     assert done.returncode == 0 and "retired: 1" in done.stdout, done.stdout + done.stderr[-3000:]
     assert not os.path.exists(pool_dir(local)) or os.listdir(pool_dir(local)) == []
     assert _kept(local) == [os.path.basename(local_copy_dir(local, str(tmp_path / "step1")))]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
