@@ -251,6 +251,7 @@ class SaveEngine:
                  refusal: Optional[str], tier: Optional[TieredSave]) -> SaveJob:
         rank = dist.get_rank()
         ckpt = tier.local if tier is not None else persistent
+        reuse_from = None if tier is None else tier.recycled  # retired files the write overwrites one of
         shared = _process_wide()
         target = os.path.realpath(ckpt)
         if target in shared.writing:  # the same on every rank: finalize is collective
@@ -272,14 +273,13 @@ class SaveEngine:
             items = _items(staged, self.fmt, rank, self.config.separation_hint)
             phases.mark("frame")
             logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
-            return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank),
-                                              None if tier is None else tier.recycled),
+            return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank), reuse_from),
                            [self._committing(commit, tier, items, aux_files, follow=False)])
         staged, lease = self._snapshot(staged, out, ckpt, error, phases, tier)
         address, writer_pid = writer_client().ensure_running()
         items = _items(staged, self.fmt, rank, self.config.separation_hint)
         job = WriterJob(ckpt, self.fmt.data_file(rank), describe_items(items, lease[1]), self.config, rank,
-                        None if tier is None else tier.recycled)
+                        reuse_from)
         # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
         finalize = [partial(shared.pool.release, lease), partial(shared.writing.discard, target),
                     self._committing(commit, tier, items, aux_files, follow=True)]
