@@ -3,9 +3,8 @@ and allocated again.
 
 On tmpfs (``/dev/shm``) writing a new file allocates every page, and removing
 an old one frees every page: both are kernel work on the cores the training
-uses, and a write into a new file ran at 2.5 GiB/s where overwriting a file of
-the same size ran at 6.5 GiB/s (the development VM, 0.5 GiB, 4 MiB writes). A
-node's local tier in memory retires a checkpoint's copy at every save beyond
+uses, which overwriting a file in place does not do (docs/tiers.md, the local
+tier's write path, has the benchmark's figures). A node's local tier in memory retires a checkpoint's copy at every save beyond
 ``keep_local``; its data files are moved into :data:`POOL_DIR` (a rename)
 instead of removed, at most as many as the node's ranks write per save, and
 each rank's next write takes one (a rename again: one taker per file),

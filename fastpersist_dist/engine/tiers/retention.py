@@ -76,9 +76,9 @@ def _remove_unless_read(path: str, manifest: TierManifest, recycled: Optional[st
 @dataclass(frozen=True)
 class Retention:
     """After a local commit, on its node's first rank: the copies ``retain`` removes, on a thread of its own
-    (``background.py``): removing a copy on a disk took 0.12 to 0.15 s, and asking an object store whether
-    older checkpoints are durable takes requests, which the commit (in an async save, the training loop's
-    finalize) need not wait for."""
+    (``background.py``): removing a copy from a disk frees every extent of its files, and asking an object
+    store whether older checkpoints are durable takes requests, which the commit (in an async save, the
+    training loop's finalize) need not wait for."""
 
     config: TierConfig
     current: TierManifest
