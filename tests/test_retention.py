@@ -135,7 +135,7 @@ def _train(rank: int, world: int, local: str, root: str, steps: int) -> list[str
             os.makedirs(ckpt)
         torch.distributed.barrier()
         dist_checkpointing.save(state(rank, world, step, rows=2048), ckpt, sharded_strategy=strategy)
-        assert wait_durable(ckpt, timeout=120) and wait_copies(timeout=120)  # the retention of the copies, too
+        assert wait_durable(ckpt, timeout=120) and wait_copies(timeout=120)
     for step in range(steps):
         want = state(rank, world, step, rows=2048)
         loaded = dist_checkpointing.load({k: empty_like_request(v) for k, v in want.items()},

@@ -2,8 +2,7 @@
 
 A node's local tier holds copies of several checkpoints (its own files and
 the replicas it keeps for other nodes). After each local commit the node's
-first rank removes the older ones beyond ``TierConfig.keep_local`` (in the
-background, :class:`Retention`), except:
+first rank removes the older ones beyond ``TierConfig.keep_local``, except:
 
 * a copy whose checkpoint is not durable yet (persistent checkpoints: it may
   be the only copy of those files), and the copy of the newest durable one;
@@ -19,7 +18,6 @@ import logging
 import os
 import shutil
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ...format.tiers import DURABLE, TIERS_FILE, TierManifest
@@ -71,23 +69,6 @@ def _remove_unless_read(path: str, manifest: TierManifest, recycled: Optional[st
         return True
     finally:
         os.close(fd)
-
-
-@dataclass(frozen=True)
-class Retention:
-    """After a local commit, on its node's first rank: the copies ``retain`` removes, on a thread of its own
-    (``background.py``): removing a copy from a disk frees every extent of its files, and asking an object
-    store whether older checkpoints are durable takes requests, which the commit (in an async save, the
-    training loop's finalize) need not wait for."""
-
-    config: TierConfig
-    current: TierManifest
-    recycled: Optional[str]
-    limit: int
-
-
-def run_retention(job: Retention) -> None:
-    retain(job.config, job.current, job.recycled, job.limit)
 
 
 def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = None, limit: int = 0) -> None:
