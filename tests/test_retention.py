@@ -59,21 +59,22 @@ def _kept(local_dir: str) -> list[str]:
     return sorted(n for n in os.listdir(local_dir) if n != POOL_DIR)
 
 
-def test_the_newest_copies_the_newest_durable_one_those_not_durable_and_those_being_read_are_kept(tmp_path):
+def test_the_newest_copies_the_newest_durable_one_those_not_durable_being_replicated_or_read_are_kept(tmp_path):
     local, homes = str(tmp_path / "local"), tmp_path / "persistent"
     durable_old, _ = _copy(local, str(homes / "s1"), 60, durable=True)
     local_only, _ = _copy(local, str(homes / "s2"), 50, persistent=False)
+    replicating, queued = _copy(local, str(homes / "s2r"), 45, persistent=False)  # its replicas not sent yet
     durable_newest, _ = _copy(local, str(homes / "s3"), 40, durable=True)
     being_read, _ = _copy(local, str(homes / "s4"), 35, persistent=False)  # kept while a load reads it
     draining, _ = _copy(local, str(homes / "s5"), 30)  # persistent, not durable yet: perhaps the only copy
     current, manifest = _copy(local, str(homes / "s6"), 0)
     with reading(being_read):
-        retain(TierConfig(local, keep_local=1), manifest)
-    kept = [durable_newest, being_read, draining, current]
+        retain(TierConfig(local, keep_local=1), manifest, replicating=frozenset({queued.checkpoint_id}))
+    kept = [replicating, durable_newest, being_read, draining, current]
     assert _kept(local) == sorted(os.path.basename(p) for p in kept), _kept(local)
     assert not any(os.path.exists(p) for p in (durable_old, local_only))
-    retain(TierConfig(local, keep_local=1), manifest)  # the load is over
-    assert not os.path.exists(being_read)
+    retain(TierConfig(local, keep_local=1), manifest)  # the load is over, the replication done
+    assert not os.path.exists(being_read) and not os.path.exists(replicating)
 
 
 def test_a_retired_copy_in_memory_leaves_its_data_files_for_the_next_writes_to_overwrite(shm_dir, tmp_path):

@@ -147,6 +147,21 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(cluster):
 
 
 @pytest.mark.engine
+def test_saves_that_outrun_their_replication_keep_the_copies_it_still_sends(cluster):
+    """Local checkpoints saved back to back with replicas=1 and keep_local=1: each commit's retention would take
+    the older copies, and their replicas are still queued behind. Every checkpoint becomes replicated, and each
+    node holds both files of the newest."""
+    saves = [{"name": f"s{i}", "step": i, "replicas": 1, "persistent": False, "keep_local": 1, "rows": 32768}
+             for i in range(1, 7)]
+    saves[-1]["wait_copies"] = True
+    saved = _save(cluster, *saves)
+    assert all(r["saves"][-1]["copied"] and not r["warnings"] for r in saved), saved
+    assert [checkpoint_state(_ckpt(cluster, s["name"])) for s in saves] == ["replicated"] * len(saves)
+    for node in (0, 1):
+        assert len(_data_files(_node_copy(cluster, node, "s6"))) == 2, os.listdir(_node_copy(cluster, node, "s6"))
+
+
+@pytest.mark.engine
 def test_a_damaged_replica_is_detected_and_the_next_copy_used(cluster):
     """Node 0 lost; the replica of its file on node 1 rotted. Every rank loads all of ``w`` reading for itself
     (a resharding, reads not shared), so node 1 reads node 0's file from its replica: the checksums catch it,

@@ -64,7 +64,8 @@ def _save(rank: int, world: int, args: dict) -> dict:
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
     tiers = TierConfig(args["local_dir"], replicas=args.get("replicas", 0), persistent=args.get("persistent", True),
-                       drain_while_writing=args.get("drain_while_writing", False))
+                       drain_while_writing=args.get("drain_while_writing", False),
+                       keep_local=args.get("keep_local", 2))
     strategy = FastPersistSaveStrategy(args.get("format"), tiers=tiers)
     sd = state(rank, world, args["step"], args.get("rows", 64))
     saved: dict = {}

@@ -83,6 +83,14 @@ replicator: Callable[[], Worker[Replication]] = _replicator.get
 drainer: Callable[[], Worker[Drain]] = _drainer.get
 
 
+def replicating() -> frozenset[str]:
+    """The checkpoint ids whose replication this process has queued or running. Each ends with an all-reduce
+    over the whole replication group, so where it is done here, every rank's transfers of it are done."""
+    if not _replicator.made():
+        return frozenset()
+    return frozenset(job.manifest.checkpoint_id for job in _replicator.get().open_jobs())
+
+
 def _workers() -> list[Worker[Any]]:
     """This process's workers made so far."""
     return [w.get() for w in (_replicator, _drainer) if w.made()]

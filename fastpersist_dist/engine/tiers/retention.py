@@ -6,6 +6,9 @@ first rank removes the older ones beyond ``TierConfig.keep_local``, except:
 
 * a copy whose checkpoint is not durable yet (persistent checkpoints: it may
   be the only copy of those files), and the copy of the newest durable one;
+* a copy whose replication has not finished in this process (saves can
+  outrun their replicas: the copy is what the node sends, or where it
+  receives, once the replication queued before gets to it);
 * a copy a load on this node is reading (each load holds a shared lock on the
   copy's ``IN_USE_FILE`` while it runs; removal takes it exclusively, without
   waiting, and skips the copy when it cannot).
@@ -71,9 +74,11 @@ def _remove_unless_read(path: str, manifest: TierManifest, recycled: Optional[st
         os.close(fd)
 
 
-def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = None, limit: int = 0) -> None:
+def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = None, limit: int = 0,
+           replicating: frozenset[str] = frozenset()) -> None:
     """Remove this node's local copies that are no longer kept (see the module); ``recycled``, ``limit``: where
-    their data files go instead, and how many (the node's ranks: one per writer of the next save)."""
+    their data files go instead, and how many (the node's ranks: one per writer of the next save);
+    ``replicating``: the ids of the checkpoints whose replication this process has not finished."""
     copies = []
     for name in os.listdir(config.local_dir):
         path = os.path.join(config.local_dir, name)
@@ -89,7 +94,7 @@ def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = 
     newest_durable = next((p for _, p, m in copies if _durable(m)), None)
     for _, path, manifest in copies[config.keep_local:]:
         if manifest.checkpoint_id == current.checkpoint_id or path == newest_durable or (
-                manifest.persistent and not _durable(manifest)):
+                manifest.checkpoint_id in replicating) or (manifest.persistent and not _durable(manifest)):
             continue
         if _remove_unless_read(path, manifest, recycled, limit):
             logger.info("fastpersist: removed the local copy %s of %s (%s; %d newer copies kept)", path,

@@ -41,7 +41,7 @@ from ...util.config import TierConfig, WriteConfig
 from ...util.errors import FastPersistError, SaveFailedError
 from ..agreement import Agreement, failure
 from ..directory import invalidate
-from .background import drainer, exit_hook, replicator
+from .background import drainer, exit_hook, replicating, replicator
 from .drain import Drain, Planned
 from .replicate import Replication
 from .retention import retain
@@ -185,7 +185,7 @@ class TieredSave:
         if self.node_leader:
             if self.recycled is not None:
                 exit_hook()  # removes the retired files no save took
-            retain(self.config, manifest, self.recycled, len(self.topology.nodes[self.node]))
+            retain(self.config, manifest, self.recycled, len(self.topology.nodes[self.node]), replicating())
         return manifest
 
     def _next_steps(self) -> str:
