@@ -1,4 +1,5 @@
-"""The threads that move tiered checkpoints while training goes on: one replicates, one drains.
+"""The threads that move tiered checkpoints while training goes on: one replicates, one drains, one removes the
+local copies a node no longer keeps.
 
 Each runs its jobs one after another, in the order of the saves, so a rank's
 part of checkpoint N is done before its part of N+1, on every rank alike (the
@@ -30,6 +31,7 @@ from ...storage.recycle import empty_pools
 from ...util.per_process import PerProcess
 from .drain import Drain, drain
 from .replicate import Replication, replicate
+from .retention import Retention, retain
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ class Worker(Generic[J]):
         self._thread.start()
 
     def submit(self, job: J) -> None:
-        exit_hook()
+        _exit_hook()
         with self._lock:
             self._open.append(job)
         self._jobs.put(job)
@@ -77,10 +79,18 @@ class Worker(Generic[J]):
                     self._open.remove(job)
 
 
+def _retain(job: Retention) -> None:
+    """The retention of one local commit, keeping what this process's replication has still to send or receive
+    (asked when it runs: replications queued since are of newer checkpoints)."""
+    retain(job.config, job.current, job.recycled, job.limit, replicating())
+
+
 _replicator = PerProcess(lambda: Worker("fastpersist-replicate", replicate))
 _drainer = PerProcess(lambda: Worker("fastpersist-drain", drain))
+_retainer = PerProcess(lambda: Worker("fastpersist-retain", _retain))
 replicator: Callable[[], Worker[Replication]] = _replicator.get
 drainer: Callable[[], Worker[Drain]] = _drainer.get
+retainer: Callable[[], Worker[Retention]] = _retainer.get
 
 
 def replicating() -> frozenset[str]:
@@ -93,12 +103,13 @@ def replicating() -> frozenset[str]:
 
 def _workers() -> list[Worker[Any]]:
     """This process's workers made so far."""
-    return [w.get() for w in (_replicator, _drainer) if w.made()]
+    return [w.get() for w in (_replicator, _drainer, _retainer) if w.made()]
 
 
 def wait_copies(timeout: Optional[float] = None) -> bool:
-    """Wait until this process's replicas and copies to the persistent tier submitted so far are done (at most
-    ``timeout`` s); whether they are. Before ``destroy_process_group``: the replicas travel over a process group."""
+    """Wait until this process's replicas, copies to the persistent tier and removals of local copies no longer
+    kept, submitted so far, are done (at most ``timeout`` s); whether they are. Before ``destroy_process_group``:
+    the replicas travel over a process group."""
     end = None if timeout is None else time.monotonic() + timeout
     while any(w.pending for w in _workers()):
         if end is not None and time.monotonic() > end:
@@ -147,6 +158,6 @@ def _register() -> bool:
 _exit_wait_registered = PerProcess(_register)
 
 
-def exit_hook() -> None:
+def _exit_hook() -> None:
     """This process's exit hook in place (once): the copies waited for, then the retired files removed."""
     _exit_wait_registered.get()

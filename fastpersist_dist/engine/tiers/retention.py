@@ -2,7 +2,9 @@
 
 A node's local tier holds copies of several checkpoints (its own files and
 the replicas it keeps for other nodes). After each local commit the node's
-first rank removes the older ones beyond ``TierConfig.keep_local``, except:
+first rank removes the older ones beyond ``TierConfig.keep_local`` (on a thread
+of its own, ``background.py``: the commit is, in an async save, the training
+loop's finalize, and removing a copy on a disk takes time), except:
 
 * a copy whose checkpoint is not durable yet (persistent checkpoints: it may
   be the only copy of those files), and the copy of the newest durable one;
@@ -21,6 +23,7 @@ import logging
 import os
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from ...format.tiers import DURABLE, TIERS_FILE, TierManifest
@@ -72,6 +75,16 @@ def _remove_unless_read(path: str, manifest: TierManifest, recycled: Optional[st
         return True
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True)
+class Retention:
+    """After a local commit, on its node's first rank: what :func:`retain` is run with."""
+
+    config: TierConfig
+    current: TierManifest
+    recycled: Optional[str]
+    limit: int
 
 
 def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = None, limit: int = 0,

@@ -12,7 +12,7 @@ hands its part to the background threads (``background.py``): the replicas
 (``replicate.py``, with ``replicas`` > 0) and the drain to the persistent tier
 (``drain.py``, unless ``persistent=False``: queued before the write, where it
 may already copy the data file, it waits for this commit to put the copy in
-place); and each node's first rank applies the retention (``retention.py``).
+place); and each node's first rank queues the retention (``retention.py``).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from ...util.config import TierConfig, WriteConfig
 from ...util.errors import FastPersistError, SaveFailedError
 from ..agreement import Agreement, failure
 from ..directory import invalidate
-from .background import drainer, exit_hook, replicating, replicator
+from .background import drainer, replicator, retainer
 from .drain import Drain, Planned
 from .replicate import Replication
-from .retention import retain
+from .retention import Retention
 from .state import pending_dir
 from .topology import Topology, describe_node, replication_group, topology
 
@@ -183,9 +183,7 @@ class TieredSave:
         if self.group is not None:
             replicator().submit(Replication(manifest, self.local, self.rank, describe_node(), self.group))
         if self.node_leader:
-            if self.recycled is not None:
-                exit_hook()  # removes the retired files no save took
-            retain(self.config, manifest, self.recycled, len(self.topology.nodes[self.node]), replicating())
+            retainer().submit(Retention(self.config, manifest, self.recycled, len(self.topology.nodes[self.node])))
         return manifest
 
     def _next_steps(self) -> str:
