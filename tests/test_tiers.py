@@ -162,6 +162,19 @@ def test_saves_that_outrun_their_replication_keep_the_copies_it_still_sends(clus
 
 
 @pytest.mark.engine
+def test_replicas_still_queued_when_the_script_destroys_its_process_groups_are_sent_at_exit(cluster):
+    """The script saves and calls destroy_process_group() at once, its replicas (64 MiB a node) still queued: each
+    process's exit sends them, over the replication's own group, and exits cleanly; the checkpoint is replicated."""
+    saved = _save(cluster, {"name": "s1", "step": 1, "replicas": 1, "persistent": False, "rows": 65536},
+                  exit_with_copies=True)
+    assert all(r["saves"][0]["state_after_save"] == "local" and not r["warnings"] for r in saved), saved
+    assert checkpoint_state(_ckpt(cluster, "s1")) == "replicated"
+    _wipe(cluster, 0)
+    loaded = _load(cluster, "s1", 1, rows=65536)
+    assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
+
+
+@pytest.mark.engine
 def test_a_damaged_replica_is_detected_and_the_next_copy_used(cluster):
     """Node 0 lost; the replica of its file on node 1 rotted. Every rank loads all of ``w`` reading for itself
     (a resharding, reads not shared), so node 1 reads node 0's file from its replica: the checksums catch it,

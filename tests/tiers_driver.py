@@ -140,7 +140,8 @@ def main(action: str, args: dict) -> dict:
         result["saves"] = [_save(rank, world, one) for one in args["saves"]]
     else:
         result.update(_load(rank, world, args))
-    wait_copies()  # the replicas travel over the process group
+    if not args.get("exit_with_copies"):  # else the process's exit waits for them, after destroy_process_group
+        wait_copies()
     _meet_at_exit(world, args.get("meet_timeout", 30))
     dist.destroy_process_group()
     return result

@@ -13,7 +13,9 @@ A process that ends while copies are still under way waits for them at exit
 (logging what it waits for), so a training script's last checkpoint still
 becomes durable; ``FASTPERSIST_EXIT_WAIT_S`` bounds that wait. Drains of
 saves never committed (finalize never ran) are given up first; retired files
-no save took are removed last (``storage/recycle.py``).
+no save took are removed last (``storage/recycle.py``). The replicas travel
+over a group of their own (``topology.replication_group``), which a script's
+``destroy_process_group()`` leaves alone: the exit still sends them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ...util.per_process import PerProcess
 from .drain import Drain, drain
 from .replicate import Replication, replicate
 from .retention import Retention, retain
+from .topology import release_replication_groups
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +72,16 @@ class Worker(Generic[J]):
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            try:
-                self._run(job)
-            except Exception:  # noqa: BLE001 - the checkpoint stays where it is; the next ones still move
-                logger.exception("fastpersist: %s: a job failed; the checkpoint stays where it got to", self.name)
-            finally:
-                with self._lock:
-                    self._open.remove(job)
+            self._run_one(self._jobs.get())  # holds no finished job (and its process group) while it waits
+
+    def _run_one(self, job: J) -> None:
+        try:
+            self._run(job)
+        except Exception:  # noqa: BLE001 - the checkpoint stays where it is; the next ones still move
+            logger.exception("fastpersist: %s: a job failed; the checkpoint stays where it got to", self.name)
+        finally:
+            with self._lock:
+                self._open.remove(job)
 
 
 def _retain(job: Retention) -> None:
@@ -108,8 +113,7 @@ def _workers() -> list[Worker[Any]]:
 
 def wait_copies(timeout: Optional[float] = None) -> bool:
     """Wait until this process's replicas, copies to the persistent tier and removals of local copies no longer
-    kept, submitted so far, are done (at most ``timeout`` s); whether they are. Before ``destroy_process_group``:
-    the replicas travel over a process group."""
+    kept, submitted so far, are done (at most ``timeout`` s); whether they are."""
     end = None if timeout is None else time.monotonic() + timeout
     while any(w.pending for w in _workers()):
         if end is not None and time.monotonic() > end:
@@ -133,6 +137,7 @@ def _wait_at_exit() -> None:
     try:
         _wait_for_copies()
     finally:
+        release_replication_groups()
         empty_pools()
 
 

@@ -97,7 +97,7 @@ def replicate(job: Replication) -> None:
                 ok &= _receive(t, path, spans, job, who)
             moved += size
         flag = torch.tensor([int(ok)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=job.group)
+        job.group.allreduce([flag], dist.ReduceOp.MIN).wait()
     except RuntimeError as e:  # torch's DistError family: a peer died or timed out
         broken.why = f"{type(e).__name__}: {e}"
         logger.error("fastpersist: %s: replicating %s failed, it stays local (in the local tiers only): a peer "
@@ -157,7 +157,7 @@ def _send(t: ReplicaTransfer, path: str, spans: list[Span], group: dist.ProcessG
                     ok = False
             else:
                 view.zero_()
-            pending[slot] = dist.isend(view, dst=t.dst, group=group, tag=TAG)
+            pending[slot] = group.send([view], t.dst, TAG)
         for work in pending:
             if work is not None:
                 work.wait(chunk_wait())
@@ -175,8 +175,7 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
 
     def post(i: int) -> dist.Work:
         chunk = chunks[i]
-        return dist.irecv(buffers[i % len(buffers)][: chunk[-1].end - chunk[0].start], src=t.src, group=job.group,
-                          tag=TAG)
+        return job.group.recv([buffers[i % len(buffers)][: chunk[-1].end - chunk[0].start]], t.src, TAG)
 
     error: Optional[Exception] = None
     out: Optional[AtomicFile] = None

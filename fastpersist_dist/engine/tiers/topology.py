@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,9 +94,23 @@ def replication_group() -> dist.ProcessGroup:
 
     Its own group, so that the background transfers never interleave with the
     training's collectives (which may run on NCCL meanwhile), on host memory.
+    Made beside torch's registry of groups, not through ``new_group``: a
+    training script that ends with ``destroy_process_group()`` while the last
+    checkpoint's replicas are still queued (each process waits for them at
+    exit) would otherwise take it away from under them. Its ranks are the
+    world's; :func:`release_replication_groups` lets it go.
     """
     known = _groups.get()
     world = dist.get_world_size()
     if world not in known:
-        known[world] = dist.new_group(backend="gloo", timeout=REPLICATION_TIMEOUT)
+        name: list[Any] = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(name, src=0)  # a fresh prefix: the store may hold an earlier group's keys
+        store = dist.PrefixStore(f"fastpersist-replication/{name[0]}/", dist.distributed_c10d._get_default_store())
+        known[world] = dist.ProcessGroupGloo(store, dist.get_rank(), world, REPLICATION_TIMEOUT)
     return known[world]
+
+
+def release_replication_groups() -> None:
+    """Let this process's replication groups go (once its replicas are done, at exit): a gloo group still held
+    when the interpreter finalizes can abort the process."""
+    _groups.get().clear()
