@@ -165,6 +165,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--drain-while-writing", choices=("on", "off"), default="off",
                    help="fastpersist_tiered's TierConfig.drain_while_writing: copy to the persistent tier while the "
                         "local write goes on")
+    t.add_argument("--nodes", type=_positive_int, default=1,
+                   help="split the ranks into this many nodes of this machine, each with its own local tier "
+                        "(LOCAL_DIR.nodes/node<n> bind-mounted at LOCAL_DIR in a mount namespace per rank; root), "
+                        "fastpersist_tiered then keeping one replica of each node's files on another node")
     t.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     t.set_defaults(func=_command("bench_train"))
     w = sub.add_parser("sweep", help="search the write knobs one at a time around the defaults (FastPersist save)")

@@ -194,7 +194,7 @@ def test_bench_train_rejects_bad_arguments(monkeypatch, capsys):
     for name in ("PYTORCH_NVML_BASED_CUDA_CHECK", QUIET_ENV):  # main() sets them for the processes it starts
         monkeypatch.delenv(name, raising=False)
     for args in (["--steps", "3", "--every", "3"], ["--contenders", "none,nope"], ["--compute-ms", "-1"],
-                 ["--contenders", "none,fastpersist_tiered"]):
+                 ["--contenders", "none,fastpersist_tiered"], ["--nodes", "3", "--local-dir", "/dev/shm/x"]):
         try:
             code = main(["bench-train", *args])
         except SystemExit as e:  # argparse's own refusals
@@ -205,25 +205,31 @@ def test_bench_train_rejects_bad_arguments(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_bench_train_command_writes_json(tmp_path):
-    """The command prints the table and writes the same report as JSON, with the chosen contenders only; the
-    tiered one also reports when its checkpoints became durable on the persistent tier, and a restart."""
-    out = tmp_path / "train.json"
+    """The command prints the table and writes the same report as JSON, with the chosen contenders only. Its two
+    ranks are two nodes (--nodes 2: a local tier each, in a mount namespace each): the tiered contender also
+    reports when its checkpoints' replicas were made and when they became durable on the persistent tier, and a
+    restart from the local tiers; nothing is left behind."""
+    out, local = tmp_path / "train.json", tmp_path / "local"
     proc = subprocess.run(
         [sys.executable, "-m", "fastpersist_dist_cli", "bench-train", "--gib", "0.02", "--reps", "1", "--steps", "4",
-         "--every", "2", "--contenders", "none,fastpersist,fastpersist_tiered", "--dir", str(tmp_path / "t"),
-         "--local-dir", str(tmp_path / "local"), "--persistent", str(tmp_path / "persistent"), "--json", str(out)],
+         "--every", "2", "--ranks", "2", "--nodes", "2", "--contenders", "none,fastpersist,fastpersist_tiered",
+         "--dir", str(tmp_path / "t"), "--local-dir", str(local), "--persistent", str(tmp_path / "persistent"),
+         "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {r["name"]: r for r in report["rows"]}
     assert list(rows) == ["none", "fastpersist", "fastpersist_tiered"] and report["save_steps"] == [2]
+    assert (report["nodes"], report["replicas"]) == (2, 1)
     tiered = rows["fastpersist_tiered"]
-    assert tiered["persisted_s"] >= tiered["durable_s"] > 0, tiered
+    assert tiered["persisted_s"] >= tiered["durable_s"] > 0 and tiered["replicated_s"] >= tiered["durable_s"], tiered
     assert all(tiered["restart"][k] > 0 for k in ("from_local_s", "from_persistent_s", "local_read_bound_s",
                                                   "local_checksummed_read_bound_s"))
     assert "fastpersist_tiered: local commit" in proc.stdout and "from the persistent tier" in proc.stdout
-    assert not list((tmp_path / "persistent").iterdir()) and not list((tmp_path / "local").iterdir())  # all removed
+    assert "on 2 nodes of this machine (replicas=1)" in proc.stdout and ", replicated (each node's" in proc.stdout
+    assert not list((tmp_path / "persistent").iterdir()) and not list(local.iterdir())  # all removed
+    assert not os.path.exists(f"{local}.nodes")
     assert rows["fastpersist"]["call_s"] is None and rows["fastpersist"]["first_call_s"] > 0  # one save: no later call
     assert rows["fastpersist"]["durable_s"] > 0 and rows["fastpersist"]["sync_s"] > 0
     assert report["compute_ms"] == 0 and report["matmuls_per_step"] == 0  # a host's default: the update is the step

@@ -54,18 +54,20 @@ from megatron.core import dist_checkpointing
 from ... import compat
 from ...engine.async_queue import AsyncSaveQueue
 from ...engine.directory import prepare_checkpoint_dir
-from ...engine.tiers.state import checkpoint_state, wait_durable
+from ...engine.tiers.background import replicating
+from ...engine.tiers.state import checkpoint_state, read_manifest, wait_durable
 from ...engine.writer_process import writer_client
-from ...format.tiers import DURABLE, local_copy_dir
+from ...format.tiers import DURABLE, TierManifest, local_copy_dir
 from ...integrations.megatron_lm_queue import queue_class
 from ...storage.host_copy import copy_to_host
-from ...storage.persistent import is_object_store
+from ...storage.persistent import PosixDir, is_object_store
 from ...storage.shared_memory import SharedBuffer
 from ...strategies.fastpersist_load import FastPersistLoadStrategy
 from ...strategies.fastpersist_save import FastPersistSaveStrategy
 from ...util.config import TierConfig
 from .baselines import CHECKSUMMED_BOUND, CONTENDERS, DEVICE_BOUND, SHIM_NOTE, torch_dist_cpu_shims
 from .gpt_state import GptShape, gpt_sharded_state_dict
+from .nodes import become_node, node_dir, node_of, ranks_per_node
 from .runner import (
     BenchConfig,
     GiB,
@@ -101,6 +103,11 @@ class LoopConfig:
     local_dir: Optional[str] = None  # the local tier of tiered contenders
     persistent: Optional[str] = None  # their persistent tier (a directory or msc:// URL); default the bench's
     drain_while_writing: bool = False  # TierConfig's, for tiered contenders
+    nodes: int = 1  # the ranks split into this many nodes on this machine (nodes.py); with 2+, replicas=1
+
+    @property
+    def replicas(self) -> int:
+        return 1 if self.nodes > 1 else 0
 
     @property
     def step_compute_ms(self) -> float:
@@ -117,6 +124,7 @@ class _Checkpointer:
     checkpoints = True
     uses_writer = False  # whether the rank's persistent writer process counts towards this one's memory
     tiered = False  # whether a finalized save is only local, durable later on the persistent tier
+    replicas = 0  # tiered: how many other nodes keep each node's files
 
     def shims(self) -> ContextManager[Any]:
         return nullcontext()
@@ -155,6 +163,7 @@ class _Ours(_Checkpointer):
         self._queue: Any = queue() if self._megatron else AsyncSaveQueue()
         self._tiers = tiers
         self.tiered = tiers is not None
+        self.replicas = 0 if tiers is None else tiers.replicas
 
     def _strategy(self) -> FastPersistSaveStrategy:
         return FastPersistSaveStrategy(config=self._write, tiers=self._tiers)
@@ -186,6 +195,7 @@ def _tiered(loop: "LoopConfig") -> _Checkpointer:
     if loop.local_dir is None:
         raise ValueError("fastpersist_tiered needs a local tier: bench-train --local-dir PATH")
     return _Ours(loop.bench, megatron_queue=False, tiers=TierConfig(os.path.abspath(loop.local_dir),
+                                                                    replicas=loop.replicas,
                                                                     drain_while_writing=loop.drain_while_writing))
 
 
@@ -254,6 +264,7 @@ class LoopRun:
     sync_s: float = 0.0
     extra_bytes: int = 0
     persisted_s: list[float] = field(default_factory=list)  # tiered: per save, call to durable on the persistent tier
+    replicated_s: list[float] = field(default_factory=list)  # tiered with replicas: per save, call to its replicas made
     restart: dict[str, float] = field(default_factory=dict)  # tiered, last repetition: see Restart
 
 
@@ -376,11 +387,16 @@ def _enable_object_store(loop: LoopConfig) -> None:
         MultiStorageClientFeature.enable()
 
 
+def _node_leader(loop: LoopConfig) -> bool:
+    """Whether this rank tends its node's local tier (the node's first rank)."""
+    return dist.get_rank() % ranks_per_node(loop.bench.ranks, loop.nodes) == 0
+
+
 def _remove_run(loop: LoopConfig, cp: _Checkpointer, root: str) -> None:
-    """Collective: a run's checkpoints removed, and for a tiered one their local copies."""
+    """Collective: a run's checkpoints removed, and for a tiered one their local copies (on every node)."""
     dist.barrier()
     _remove(root)
-    if cp.tiered and loop.local_dir is not None and dist.get_rank() == 0:
+    if cp.tiered and loop.local_dir is not None and _node_leader(loop):
         for name in [f"step{s}" for s in loop.save_steps] + ["sync"]:
             shutil.rmtree(local_copy_dir(os.path.abspath(loop.local_dir), f"{root}/{name}"), ignore_errors=True)
 
@@ -406,6 +422,7 @@ def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], compute: 
     run = LoopRun()
     pending: list[tuple[str, float]] = []  # called, not finalized: (checkpoint, call time)
     draining: list[tuple[str, float]] = []  # tiered: finalized (local), not yet durable
+    replicating_now: list[tuple[str, float, TierManifest]] = []  # tiered with replicas: finalized, replicas not made
     peak = 0
 
     def finalized(count: int) -> None:
@@ -414,6 +431,15 @@ def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], compute: 
             run.durable_s.append(time.perf_counter() - call)
             if cp.tiered:
                 draining.append((ckpt, call))
+            if cp.replicas:
+                replicating_now.append((ckpt, call, _local_manifest(cfg, ckpt)))
+
+    def replicated() -> None:  # this rank's replication threads run the checkpoints' jobs in order
+        busy = replicating()
+        while replicating_now and replicating_now[0][2].checkpoint_id not in busy:
+            ckpt, call, manifest = replicating_now.pop(0)
+            run.replicated_s.append(time.perf_counter() - call)
+            _check_replicas(cfg, ckpt, manifest)
 
     with cp.shims():
         for step in range(1, cfg.steps + 1):
@@ -430,6 +456,7 @@ def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], compute: 
             finalized(cp.finalize(blocking=False))
             while draining and checkpoint_state(draining[0][0]) == DURABLE:
                 run.persisted_s.append(time.perf_counter() - draining.pop(0)[1])
+            replicated()
             run.loop_s += time.perf_counter() - start
             if baseline is not None:
                 peak = max(peak, host_memory(cp.uses_writer) - baseline)
@@ -439,9 +466,34 @@ def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], compute: 
             if not wait_durable(ckpt):
                 raise RuntimeError(f"bench-train: {ckpt} did not become durable")
             run.persisted_s.append(time.perf_counter() - call)
+        while replicating_now:
+            replicated()
+            time.sleep(0.005)
         run.drain_s = time.perf_counter() - start
     run.extra_bytes = peak
     return run
+
+
+def _local_manifest(loop: LoopConfig, ckpt: str) -> TierManifest:
+    """The tiers manifest of this node's copy of ``ckpt`` (committed)."""
+    assert loop.local_dir is not None
+    manifest = read_manifest(PosixDir(local_copy_dir(os.path.abspath(loop.local_dir), ckpt)))
+    if manifest is None:
+        raise RuntimeError(f"bench-train: {ckpt} has no committed copy on this node")
+    return manifest
+
+
+def _check_replicas(loop: LoopConfig, ckpt: str, manifest: TierManifest) -> None:
+    """Raise unless this node's copy of ``ckpt`` holds the files it keeps for other nodes (its replication ended
+    and must have made them: a failed one would time nothing)."""
+    assert loop.local_dir is not None
+    copy = local_copy_dir(os.path.abspath(loop.local_dir), ckpt)
+    node = node_of(dist.get_rank(), loop.bench.ranks, loop.nodes)
+    missing = [f for n, holders in enumerate(manifest.replica_nodes) if node in holders
+               for f in manifest.files_of_node(n) if not os.path.isfile(os.path.join(copy, f))]
+    if missing:
+        raise RuntimeError(f"bench-train: the replication of {ckpt} ended without node {node}'s replicas of "
+                           f"{', '.join(missing)} in {copy} (see the ranks' errors)")
 
 
 def _prepare(ckpt: str) -> None:
@@ -451,7 +503,7 @@ def _prepare(ckpt: str) -> None:
 
 
 def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict[str, float]:
-    """Collective, one node: seconds to load ``ckpt`` from the local tier, then (its local copy removed) from the
+    """Collective: seconds to load ``ckpt`` from the local tier, then (its local copy removed) from the
     persistent tier, and the device bound's reads of the same bytes per rank from the local tier (``bound_dir``),
     plain and checksummed (every byte hashed, as a load must): medians of ``reps`` loads each (slowest rank), the
     local loads alternating with the bounds' reads."""
@@ -461,7 +513,7 @@ def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict
     bounds = {name: CONTENDERS[name] for name in (DEVICE_BOUND, CHECKSUMMED_BOUND)}
 
     def dropped(*where: str) -> None:
-        if dist.get_rank() == 0:
+        if _node_leader(loop):
             for w in where:
                 if not is_object_store(w) and os.path.isdir(w):
                     drop_page_cache(w)
@@ -477,7 +529,7 @@ def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict
         dropped(where)
         return _over_ranks(_timed(lambda: bounds[name].load(template, where, loop.bench.write)))
 
-    if dist.get_rank() == 0:
+    if _node_leader(loop):
         shutil.rmtree(bound_dir, ignore_errors=True)
         for name in bounds:
             os.makedirs(os.path.join(bound_dir, name))
@@ -490,11 +542,11 @@ def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict
         from_local.append(load())
         for name in bounds:
             bound_s[name].append(read_bound(name))
-    if dist.get_rank() == 0:
+    if _node_leader(loop):
         shutil.rmtree(bound_dir, ignore_errors=True)
 
     def from_persistent_tier() -> float:  # a load from an object store fetches into the local tier: gone again
-        if dist.get_rank() == 0:
+        if _node_leader(loop):
             shutil.rmtree(local_copy, ignore_errors=True)
         dist.barrier()
         return load()
@@ -571,8 +623,16 @@ def _trainer(rank: int, cfg: LoopConfig) -> _Trainer:
     return _Trainer(shape, sd, tensors, compute)
 
 
+def _join_node(rank: int, cfg: LoopConfig) -> None:
+    """With ``nodes`` > 1: this rank on its node, with the node's own local tier (nodes.py)."""
+    if cfg.nodes > 1:
+        assert cfg.local_dir is not None
+        become_node(rank, cfg.bench.ranks, cfg.nodes, os.path.abspath(cfg.local_dir))
+
+
 def _memory_probe(rank: int, world: int, cfg: LoopConfig, name: str) -> int:
     """Peak extra host memory of this rank over one loop with ``name``'s checkpoints, in a fresh process."""
+    _join_node(rank, cfg)
     _enable_object_store(cfg)
     t = _trainer(rank, cfg)
     baseline = host_memory(include_writer=False)
@@ -588,6 +648,7 @@ def _rank_main(rank: int, world: int, cfg: LoopConfig,
                contenders: tuple[str, ...]) -> tuple[int, int, dict, Optional[CopyFloor]]:
     b = cfg.bench
     snapshot_bytes = 0  # this rank's data file in our synchronous save: its snapshot and their framing
+    _join_node(rank, cfg)
     _enable_object_store(cfg)
     t = _trainer(rank, cfg)
     FastPersistSaveStrategy(config=b.write).load_ops()  # at start-up, as docs/async.md advises
@@ -625,6 +686,7 @@ def _slowest(run: LoopRun) -> LoopRun:
         durable_s=[_over_ranks(d) for d in run.durable_s], drain_s=_over_ranks(run.drain_s),
         sync_s=_over_ranks(run.sync_s), overlapped=[_over_ranks(float(o)) > 0 for o in run.overlapped],
         persisted_s=[_over_ranks(p) for p in run.persisted_s], restart=run.restart,
+        replicated_s=[_over_ranks(p) for p in run.replicated_s],
     )
 
 
@@ -643,6 +705,9 @@ def run(cfg: LoopConfig, contenders: tuple[str, ...] = DEFAULT_LOOP_CONTENDERS,
         if name != "none":
             progress(f"bench-train: {name}: host memory, one loop in fresh processes")
             memory[name] = on_ranks(b.ranks, _memory_probe, cfg, name)[0]
+    if cfg.nodes > 1:
+        assert cfg.local_dir is not None
+        shutil.rmtree(os.path.dirname(node_dir(os.path.abspath(cfg.local_dir), 0)), ignore_errors=True)
     return report(cfg, nbytes, runs, memory, floor, matmuls)
 
 
@@ -684,9 +749,10 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory:
             persisted = [p for r in reps for p in r.persisted_s]
             if persisted:
                 row.update(persisted_s=_med(persisted), restart=reps[-1].restart)
+            row["replicated_s"] = _med([p for r in reps for p in r.replicated_s])
         rows.append(row)
     notes = [] if torch.cuda.is_available() else [SHIM_NOTE]
-    return {"ranks": cfg.bench.ranks, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
+    return {"ranks": cfg.bench.ranks, "nodes": cfg.nodes, "replicas": cfg.replicas, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
             "local_dir": cfg.local_dir, "persistent": cfg.persistent,
             "drain_while_writing": cfg.drain_while_writing
             and not (cfg.persistent is not None and is_object_store(cfg.persistent)),
@@ -706,10 +772,14 @@ def _compute_words(rep: dict) -> str:
     return f" plus {rep['matmuls_per_step']} matmuls (calibrated to {rep['compute_ms']:g} ms on the idle machine)"
 
 
+def _node_words(rep: dict) -> str:
+    return f" on {rep['nodes']} nodes of this machine (replicas={rep['replicas']})" if rep["nodes"] > 1 else ""
+
+
 def format_loop_table(rep: dict) -> str:
     """The report as a text table."""
     lines = [
-        f"training loop: {rep['ranks']} ranks, TP={rep['tp']}, {rep['bytes'] / GiB:.2f} GiB state rewritten in place "
+        f"training loop: {rep['ranks']} ranks{_node_words(rep)}, TP={rep['tp']}, {rep['bytes'] / GiB:.2f} GiB state rewritten in place "
         f"every step{_compute_words(rep)}, {rep['steps']} steps, async checkpoints at steps {rep['save_steps']} "
         f"into {rep['directory']}; "
         f"median of {rep['reps']} (slowest rank); 'call' = the save call blocking the loop, first of the process "
@@ -739,8 +809,10 @@ def format_loop_table(rep: dict) -> str:
             continue
         versus = (f" ({r['persisted_s'] / direct['sync_s']:.2f}x fastpersist's synchronous save straight to "
                   f"{rep['directory']}, {direct['sync_s']:.2f} s)" if direct else "")
-        lines.append(f"{r['name']}: local commit {r['durable_s']:.2f} s after the call, durable on the persistent "
-                     f"tier {r['persisted_s']:.2f} s after it{versus}; the drain "
+        replicas = (f", replicated (each node's files also on {rep['replicas']} other node) {r['replicated_s']:.2f} s "
+                    f"after it" if r.get("replicated_s") is not None else "")
+        lines.append(f"{r['name']}: local commit {r['durable_s']:.2f} s after the call{replicas}, durable on the "
+                     f"persistent tier {r['persisted_s']:.2f} s after it{versus}; the drain "
                      f"{'followed the local write' if rep['drain_while_writing'] else 'started at the local commit'}")
         if r.get("restart"):
             s = r["restart"]
@@ -762,7 +834,8 @@ def format_loop_table(rep: dict) -> str:
 
 def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional[str],
                 compute_ms: Optional[float] = None, local_dir: Optional[str] = None,
-                persistent: Optional[str] = None, drain_while_writing: bool = False) -> Optional[dict]:
+                persistent: Optional[str] = None, drain_while_writing: bool = False, nodes: int = 1
+                ) -> Optional[dict]:
     """:func:`run` for ``fastpersist-dist bench-train``: None, after saying why on stderr, on bad arguments."""
     names = tuple(contenders.split(",")) if contenders else DEFAULT_LOOP_CONTENDERS
     unknown = set(names) - set(CHECKPOINTERS)
@@ -773,10 +846,14 @@ def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional
     if "fastpersist_tiered" in names and local_dir is None:
         print("bench-train: fastpersist_tiered needs --local-dir (its local tier)", file=sys.stderr)
         return None
+    if nodes > 1 and (bench.ranks % nodes or local_dir is None or os.geteuid() != 0):
+        print(f"bench-train: --nodes {nodes} needs --ranks a multiple of it, --local-dir, and root (each rank's "
+              f"node has its own local tier in a mount namespace)", file=sys.stderr)
+        return None
     if persistent is not None and is_object_store(persistent) and importlib.util.find_spec(
             "megatron.core.msc_utils") is None:
         print(f"bench-train: --persistent {persistent} needs megatron-core's multi-storage-client support "
               "(megatron-core 0.19)", file=sys.stderr)
         return None
-    return run(LoopConfig(bench, steps, every, compute_ms, local_dir, persistent, drain_while_writing), names,
+    return run(LoopConfig(bench, steps, every, compute_ms, local_dir, persistent, drain_while_writing, nodes), names,
                progress=lambda m: print(m, file=sys.stderr))
