@@ -5,7 +5,9 @@ group of its own (``topology.replication_group``). Both ends of a transfer
 read the same index from their node's copy, so they cut the file into the
 same chunks of whole checksum blocks (``storage/copy.py``); the sender reads
 each chunk into one of two buffers and sends it while reading the next, the
-receiver checks each chunk against its checksums while the next arrives, and
+receiver checks each chunk against its checksums while the next arrives (a
+rank's sends run on a thread of their own beside its receives, so that both
+directions of a pair of nodes move at once), and
 renames the file into its node's copy only when every block matched. A block
 that does not match is reported (file, byte offset, record, sender's node) and
 the rest of that file is received and dropped, so both ends stay in step.
@@ -26,6 +28,7 @@ import datetime
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -82,20 +85,24 @@ def replicate(job: Replication) -> None:
     index = read_index(job.local, who)
     transfers = replica_transfers(job.manifest.nodes, {f: r for f, r in job.manifest.files.items()
                                                        if f in index.files}, job.manifest.replica_nodes)
-    ok, moved = True, 0
+    mine = [t for t in transfers if job.rank in (t.src, t.dst)]
+    moved = sum(index.files[t.data_file] for t in mine)
+
+    def spans(t: ReplicaTransfer) -> list[Span]:
+        size = index.files[t.data_file]
+        return block_spans([r for r in index.records if r.file == t.data_file], index.checksum_block_bytes, size,
+                           os.path.join(job.local, t.data_file))
+
+    def sends() -> bool:
+        return all([_send(t, os.path.join(job.local, t.data_file), spans(t), job.group, who)
+                    for t in mine if t.src == job.rank])
+
     try:
-        for t in transfers:
-            if job.rank not in (t.src, t.dst):
-                continue
-            size = index.files[t.data_file]
-            path = os.path.join(job.local, t.data_file)
-            spans = block_spans([r for r in index.records if r.file == t.data_file], index.checksum_block_bytes,
-                                size, path)
-            if t.src == job.rank:
-                ok &= _send(t, path, spans, job.group, who)
-            else:
-                ok &= _receive(t, path, spans, job, who)
-            moved += size
+        with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-replica-send") as pool:
+            sent = pool.submit(sends)  # beside the receives: both directions move at once
+            ok = all([_receive(t, os.path.join(job.local, t.data_file), spans(t), job, who)
+                      for t in mine if t.dst == job.rank])
+            ok &= sent.result()
         flag = torch.tensor([int(ok)])
         job.group.allreduce([flag], dist.ReduceOp.MIN).wait()
     except RuntimeError as e:  # torch's DistError family: a peer died or timed out
