@@ -32,6 +32,10 @@ restart: that repetition's synchronous save loaded from the local tier, then,
 its local copy removed, from the persistent tier, beside the local tier's read
 bounds (the device bound's reads of as many bytes per rank, plain and with
 every byte hashed as a load must), medians of as many loads as repetitions.
+With ``nodes`` > 1 (``nodes.py``: each node its own local tier) it keeps one
+replica of each node's files on another node and also reports the time from
+the call until this rank's replication of each checkpoint is done (polled
+after every step).
 """
 
 from __future__ import annotations
@@ -484,8 +488,8 @@ def _local_manifest(loop: LoopConfig, ckpt: str) -> TierManifest:
 
 
 def _check_replicas(loop: LoopConfig, ckpt: str, manifest: TierManifest) -> None:
-    """Raise unless this node's copy of ``ckpt`` holds the files it keeps for other nodes (its replication ended
-    and must have made them: a failed one would time nothing)."""
+    """Raise unless this node's copy of ``ckpt`` holds the files it keeps for other nodes, once its replication
+    ended: a failed replication is not timed as one that made its replicas."""
     assert loop.local_dir is not None
     copy = local_copy_dir(os.path.abspath(loop.local_dir), ckpt)
     node = node_of(dist.get_rank(), loop.bench.ranks, loop.nodes)
