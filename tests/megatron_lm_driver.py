@@ -149,7 +149,10 @@ def main() -> None:
     result["save_strategy"] = [type(strategy).__name__,
                                type(getattr(strategy, "base_strategy", strategy)).__name__]
     result["load_strategy"] = type(context["load_strategy"]).__name__ if "load_strategy" in context else None
-    print("RESULT " + json.dumps(result), flush=True)
+    # one write: print() writes the text and its newline apart, and a log line of a background thread can land
+    # between them (unbuffered output)
+    sys.stdout.write(f"RESULT {json.dumps(result)}\n")
+    sys.stdout.flush()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -161,4 +161,6 @@ def _meet_at_exit(world: int, timeout: float = 30) -> None:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main(sys.argv[1], json.loads(sys.argv[2]))), flush=True)
+    result = main(sys.argv[1], json.loads(sys.argv[2]))
+    sys.stdout.write(f"RESULT {json.dumps(result)}\n")  # one write: see tests/megatron_lm_driver.py
+    sys.stdout.flush()
