@@ -55,7 +55,7 @@ class Worker(Generic[J]):
         self._thread.start()
 
     def submit(self, job: J) -> None:
-        _exit_hook()
+        _exit_wait_registered.get()  # the exit waits for the copies, then removes the retired files
         with self._lock:
             self._open.append(job)
         self._jobs.put(job)
@@ -161,8 +161,3 @@ def _register() -> bool:
 
 
 _exit_wait_registered = PerProcess(_register)
-
-
-def _exit_hook() -> None:
-    """This process's exit hook in place (once): the copies waited for, then the retired files removed."""
-    _exit_wait_registered.get()
