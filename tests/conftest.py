@@ -52,8 +52,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for fixture, marker in MARKED_BY_FIXTURE.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)
-        if not any(item.get_closest_marker(m) for m in ("engine", "contract")):
-            raise pytest.UsageError(f"{item.nodeid} says neither engine nor contract: mark its module (pytestmark)")
+        if not any(item.get_closest_marker(m) for m in ("engine", "stack", "contract")):
+            raise pytest.UsageError(f"{item.nodeid} says none of engine, stack, contract: mark its module (pytestmark)")
 
 
 def need(what: str, missing: str) -> None:

@@ -20,7 +20,7 @@ import pytest
 from fastpersist_dist.storage import build_locks
 from fastpersist_dist.storage.host_copy import _remove_partial_builds
 
-pytestmark = pytest.mark.contract  # the ops of each stack's venv
+pytestmark = pytest.mark.stack  # the ops each venv builds
 
 ROOT = Path(__file__).resolve().parent.parent
 
