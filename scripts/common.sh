@@ -1,4 +1,4 @@
-# Sourced by scripts/setup.sh and scripts/check_wheel.sh.
+# Sourced by scripts/setup.sh, scripts/check_wheel.sh and .ci/run.
 
 # find_python VERSION: an interpreter of that Python version: $PYTHON if set, else pythonVERSION on PATH, else
 # pyenv's newest VERSION.x.
@@ -23,4 +23,18 @@ pip_install() {
     shift
     "$python" -m pip install -q --disable-pip-version-check "$@" 2>&1 |
         { grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$" >&2 || true; }
+}
+
+# apt_install PACKAGE...: install those of the Debian packages that are missing (as root, else through sudo).
+apt_install() {
+    local missing=() package sudo=""
+    for package in "$@"; do
+        dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
+    done
+    [ ${#missing[@]} -gt 0 ] || return 0
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    echo "setup: installing ${missing[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" 2>&1 >/dev/null |
+        { grep -v "^debconf: delaying package configuration, since apt-utils is not installed" >&2 || true; }
 }

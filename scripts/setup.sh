@@ -22,14 +22,7 @@ VENV="${FASTPERSIST_VENV:-$DEFAULT_VENV}"
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
 
-if ! dpkg -s libaio-dev >/dev/null 2>&1; then
-    SUDO=""
-    [ "$(id -u)" -eq 0 ] || SUDO=sudo
-    echo "setup: installing libaio-dev"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libaio-dev 2>&1 >/dev/null |
-        { grep -v "^debconf: delaying package configuration, since apt-utils is not installed" >&2 || true; }
-fi
+apt_install libaio-dev
 
 [ -x "$VENV/bin/python" ] || "$(find_python "$PY_VERSION")" -m venv "$VENV"
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
