@@ -14,7 +14,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from fastpersist_dist import FastPersistLoadStrategy
 from fastpersist_dist.engine.read_exchange import sharing_group
 from fastpersist_dist.format.records import data_file_name
-from fastpersist_dist.plan.read_sharing import Need, Transfer, plan_sharing
+from fastpersist_dist.plan.read_sharing import Need, Transfer, plan_recovery, plan_sharing
 from fastpersist_dist.storage.shared_dir import on_memory_filesystem
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.util.errors import CorruptCheckpointError, FastPersistError
@@ -92,6 +92,24 @@ def test_without_sharing_only_the_unreadable_needs_are_transfers():
 def test_a_need_nobody_can_read_stays_its_ranks_own_read():
     """Its read then fails naming the file and why no copy is reachable (storage/reader.py)."""
     assert plan_sharing([[need(0, MiB)], [need(2 * MiB, 3 * MiB)]], readable=[frozenset(), frozenset()]) == []
+
+
+def test_recovery_sends_each_rank_what_it_cannot_read_naming_its_own_indices():
+    """A replaced node's ranks (0 and 1) need their files "a" and "b", which only the replicas of ranks 2 and 3
+    hold; they send only those needs, by their index among all of theirs, and the readers split the work."""
+    stranded = [{3: need(0, 8 * MiB, file="a")}, {0: need(0, 8 * MiB, file="b"), 5: need(8 * MiB, 9 * MiB, 1, "b")},
+                {}, {}]
+    readable = [frozenset(), frozenset(), frozenset({"a", "b", "c"}), frozenset({"a", "b", "d"})]
+    transfers = plan_recovery(stranded, readable)
+    assert sorted((t.dst, t.need) for t in transfers) == [(0, 3), (1, 0), (1, 5)]
+    assert {t.src for t in transfers} == {2, 3}  # each holder reads some
+    assert [(t.src, t.dst) for t in transfers] == sorted((t.src, t.dst) for t in transfers)  # sending order
+
+
+def test_recovery_of_bytes_no_rank_holds_plans_nothing():
+    """The rank's own read then fails naming the file and the nodes that held it (engine/tiers/copies.py)."""
+    assert plan_recovery([{2: need(0, MiB, file="a")}, {}], [frozenset(), frozenset({"b"})]) == []
+    assert plan_recovery([{}, {}], [frozenset({"a"}), frozenset({"b"})]) == []
 
 
 def test_readers_balance_the_bytes_and_sends_follow_file_order():

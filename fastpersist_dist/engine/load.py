@@ -37,6 +37,7 @@ from ..format.index_pages import Box, PagedIndex
 from ..format.kinds import BY_CONTAINER, DCP_METADATA_FILE
 from ..format.layout import Extent, intersect
 from ..format.records import INDEX_FILE, KIND_OBJECT, KIND_TENSOR, CheckpointIndex, ShardRecord, dtype_from_name
+from ..format.tiers import TierManifest
 from ..storage.deepspeed_ops import aio_resources
 from ..storage.reader import ShardReader
 from ..storage.shared_dir import on_memory_filesystem
@@ -45,8 +46,8 @@ from ..util import progress
 from ..util.config import ReadConfig
 from ..util.errors import FastPersistError
 from .index_reader import check_markers, read_index, read_top
-from .read_exchange import ReadExchange, read_order, shared_load, sharing_group
-from .tiers.copies import copies_for_load
+from .read_exchange import ReadExchange, read_order, recovery_group, shared_load, sharing_group
+from .tiers.copies import Copies, copies_for_load, tiers_manifest
 from .tiers.retention import reading
 
 logger = logging.getLogger(__name__)
@@ -77,17 +78,23 @@ class LoadEngine:
     def load(self, sharded_state_dict: Any, checkpoint_dir: str) -> Any:
         """Replace every ShardedTensor/ShardedObject with its loaded value (tensors in place when possible).
 
-        Collective over the sharing group where reads are shared; a rank that
-        fails tells the others, which raise naming it.
+        Collective over the sharing group where reads are shared, and for a
+        tiered checkpoint over the whole job where that group is not it (one
+        gather of a flag: whether a rank needs bytes only other nodes hold,
+        ``ReadExchange.recover``); a rank that fails tells the others, which
+        raise naming it.
         """
         cfg = self.config
         start = time.perf_counter()
         rank = _rank()
         who = f"rank {rank}"
         group = sharing_group(cfg.share_reads != "off", self.group)
+        recovery = recovery_group(group)
+        manifest = None
         with ExitStack() as closing:
             try:
-                copies = copies_for_load(checkpoint_dir, who, cfg.local_dir)  # None: not a tiered checkpoint
+                manifest = tiers_manifest(checkpoint_dir)
+                copies = _copies(checkpoint_dir, manifest, who, cfg.local_dir)
                 index_dir = checkpoint_dir if copies is None else copies.index_dir
                 closing.enter_context(reading(None if copies is None else copies.local))
                 # a tiered checkpoint: every record, so that a rank can read any file it holds for the others
@@ -102,15 +109,17 @@ class LoadEngine:
                 loader = Loader(index, reader, rank, cfg.trust_objects, stream)
                 dict_list_map_inplace(loader.load, sharded_state_dict)
             except Exception as e:
-                if group is not None:
-                    shared_load(who).fail_together(e, group)  # the others raise naming this rank, at their next gather
+                # the others' next gather: a tiered load's first step, else the sharing group's
+                first = recovery if manifest is not None and recovery is not None else group
+                if first is not None:
+                    shared_load(who).fail_together(e, first)  # the others raise naming this rank
                 raise
             nearest = os.path.dirname(reader.path(min(index.files))) if index.files else index_dir
             share = cfg.share_reads == "on" or not on_memory_filesystem(nearest)
             # A tiered checkpoint: each rank reads what it can reach (its node's copy, the persistent tier once a
             # file is there), the rest is read for it by a rank that can and sent (the same on every rank).
             readable = None if copies is None else frozenset(f for f in index.files if reader.copies_of(f))
-            loader.run(cfg.read_threads, group, share, readable)
+            loader.run(cfg.read_threads, group, share, readable, recovery)
         seconds = time.perf_counter() - start
         sent, received = loader.exchanged
         (logger.info if rank == 0 else logger.debug)(
@@ -137,8 +146,14 @@ class LoadEngine:
 
     def _index_dir(self, checkpoint_dir: str, who: str) -> str:
         """Where the index of ``checkpoint_dir`` is read: this node's copy of a tiered checkpoint, or there."""
-        copies = copies_for_load(checkpoint_dir, who, self.config.local_dir)
+        copies = _copies(checkpoint_dir, tiers_manifest(checkpoint_dir), who, self.config.local_dir)
         return checkpoint_dir if copies is None else copies.index_dir
+
+
+def _copies(checkpoint_dir: str, manifest: Optional[TierManifest], who: str,
+            local_dir: Optional[str]) -> Optional[Copies]:
+    """Where a load reads the tiered checkpoint with ``manifest``; None for one that is not tiered (no manifest)."""
+    return None if manifest is None else copies_for_load(checkpoint_dir, manifest, who, local_dir)
 
 
 class Loader:
@@ -215,7 +230,7 @@ class Loader:
         return dest
 
     def run(self, threads: int, group: Optional[dist.ProcessGroup] = None, share: bool = True,
-            readable: Optional[frozenset[str]] = None) -> None:
+            readable: Optional[frozenset[str]] = None, recovery: Optional[dist.ProcessGroup] = None) -> None:
         """Execute the planned reads sorted by file and offset: sequential I/O, whatever the dict order.
 
         With a stream, large aio reads into its locked double buffer (see
@@ -224,13 +239,17 @@ class Loader:
         With ``group`` (collective over it), bytes several ranks need are read
         once and sent to the others (see read_exchange.py), unless a rank of
         the group passes ``share=False``; ``readable``: the files this rank can
-        read (a tiered checkpoint not durable yet), the rest read for it.
+        read (a tiered checkpoint not durable yet), the rest read for it, by
+        ranks of ``recovery`` (the whole job, where ``group`` is not; collective
+        over it) if any rank needs such bytes, else of ``group``.
         """
         reads, self.reads = sorted(self.reads, key=read_order), []
         shown = progress.task("load", sum(r.dest.nbytes for r in reads))
         exchange = None
-        if group is not None:
-            block = self.reader.index.checksum_block_bytes if self.reader.verify else None
+        block = self.reader.index.checksum_block_bytes if self.reader.verify else None
+        if readable is not None and recovery is not None:
+            exchange = ReadExchange.recover(reads, recovery, block, self.reader.who, readable, self._extent)
+        if exchange is None and group is not None:
             exchange = ReadExchange.start(reads, group, block, self.reader.who, share, readable, self._extent)
         if exchange is not None:
             reads = exchange.reads

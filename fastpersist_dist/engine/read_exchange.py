@@ -13,6 +13,15 @@ load (index, planning, a read) still takes part in the group's next gather
 (``Agreement.fail_together``), so every rank raises an error naming it instead of
 waiting forever on a collective or a receive.
 
+A tiered checkpoint that is not durable yet may hold a file only in the local
+tiers of other nodes (a replaced node's files, in their replicas). Where the
+load's group is not the whole job (sharing off, a job above
+``DEFAULT_GROUP_MAX_RANKS``, or a ``parallel_group`` of one node's ranks),
+:meth:`ReadExchange.recover` first asks the whole job whether any rank needs
+such bytes (a gather of one flag); only then do the ranks that need them send
+those needs, every rank the files it can read, and ranks holding a copy read
+and send them (``plan.read_sharing.plan_recovery``).
+
 Bytes received were verified by the rank that read them; the transport
 (TCP for gloo, NCCL) is trusted. Extra memory: the send buffers of this rank
 and staging for receives that cannot land in place, at most what it reads
@@ -24,14 +33,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from ..format.layout import Extent
 from ..format.records import ShardRecord, dtype_from_name
-from ..plan.read_sharing import Need, Transfer, plan_sharing
+from ..plan.read_sharing import Need, Transfer, plan_recovery, plan_sharing
 from ..storage.reader import MAX_READ_GAP
 from ..storage.stream_reader import BoxRead, needed_ranges
 from ..util.config import ReadConfig
@@ -51,6 +60,8 @@ ABSORB_MAX_BYTES = ReadConfig().aio.block_size
 Lookup = Callable[[str, int, int], tuple[ShardRecord, Extent]]
 # Tag of our point-to-point messages (gloo matches on it; NCCL ignores it).
 TAG = 0x4650
+# One rank's needs as the plan saw them: all of them, or (recovery) those it cannot read, by their index.
+RankNeeds = Union[Sequence[Need], Mapping[int, Need]]
 
 
 # Groups a shared load failed on: receives may still be posted there, which a later exchange's
@@ -74,6 +85,21 @@ def sharing_group(share: bool, group: Optional[dist.ProcessGroup]) -> Optional[d
                     "one node's ranks shares the reads of resharded loads within it", size)
         return None
     return group or dist.group.WORLD
+
+
+def recovery_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """The whole job, where bytes a rank cannot reach must come from ranks outside ``group`` (the sharing group,
+    or None); None where ``group`` is the whole job already, or there is no other rank."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    world = dist.group.WORLD
+    if group is world:
+        return None
+    if world in _abandoned:
+        logger.warning("fastpersist: a shared load over the whole job failed earlier and may have left receives "
+                       "posted; bytes this rank cannot reach are not read for it by other ranks")
+        return None
+    return world
 
 
 def shared_load(who: str) -> Agreement:
@@ -113,7 +139,7 @@ class _Outgoing:
 class ReadExchange:
     """The shared part of one load on one rank; :meth:`start` decides whether there is one."""
 
-    def __init__(self, reads: list[BoxRead], everyone: list[list[Need]], transfers: list[Transfer],
+    def __init__(self, reads: list[BoxRead], everyone: Sequence[RankNeeds], transfers: list[Transfer],
                  group: dist.ProcessGroup, who: str, lookup: Optional[Lookup] = None):
         self.group = group
         self.who = who
@@ -180,6 +206,30 @@ class ReadExchange:
         logger.debug("fastpersist: %s: shared load: reads %d boxes (%d for other ranks, %.3f GiB), receives %d "
                      "(%.3f GiB); planned in %.3f s", who, len(ex.reads), len(ex.outgoing), ex.sent_bytes / 2**30,
                      len(ex._recvs), ex.received_bytes / 2**30, time.perf_counter() - start)
+        return ex
+
+    @classmethod
+    def recover(cls, reads: list[BoxRead], group: dist.ProcessGroup, block: Optional[int], who: str,
+                readable: frozenset[str], lookup: Lookup) -> Optional["ReadExchange"]:
+        """The transfers bringing each rank of ``group`` (the whole job) the bytes it needs of files it cannot
+        read (``readable``: those it can); None, on every rank, when no rank needs any (collective: one gather
+        of a flag, and only then a second of those needs and of each rank's readable files)."""
+        start = time.perf_counter()
+        stranded = {i: need_of(r, block) for i, r in enumerate(reads) if r.record.file not in readable}
+        agreement = shared_load(who)
+        if not any(agreement.agree(bool(stranded), group)):
+            return None
+        gathered = agreement.agree((stranded, sorted(readable)), group)
+        everyone = [needs for needs, _ in gathered]
+        transfers = plan_recovery(everyone, [frozenset(names) for _, names in gathered])
+        if not transfers:
+            return None
+        ex = cls(reads, everyone, transfers, group, who, lookup)
+        (logger.info if ex._recvs else logger.debug)(
+            "fastpersist: %s: %d ranks need bytes of files that only other nodes hold; this rank reads %d boxes of "
+            "them for others (%.3f GiB) and receives %d (%.3f GiB); planned in %.3f s", who,
+            sum(1 for needs in everyone if needs), len(ex.outgoing), ex.sent_bytes / 2**30, len(ex._recvs),
+            ex.received_bytes / 2**30, time.perf_counter() - start)
         return ex
 
     def placed(self, dest: torch.Tensor) -> bool:

@@ -34,13 +34,16 @@ each node holds its own ranks' files), ``readable`` says which: a cluster is
 read by a rank that can read its file, a wanting one if any, and a need no
 wanting rank can read becomes a transfer from one that can. With
 ``share=False`` only those are transfers; every other need is its rank's own read.
+:func:`plan_recovery` plans only those, from the few needs that ranks cannot
+read themselves (a replaced node's), which is all a job too large to gather
+every rank's needs sends.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from ..format.layout import Shape
 
@@ -149,6 +152,20 @@ def plan_sharing(needs: Sequence[Sequence[Need]], gap: int = 0, absorb_max: int 
                  for key, c in clusters for r, i in c.members if r != c.reader]
     transfers.sort(key=lambda wt: (wt[1].src, wt[0], wt[1].dst, wt[1].need))
     return [t for _, t in transfers]
+
+
+def plan_recovery(stranded: Sequence[Mapping[int, Need]], readable: Sequence[frozenset[str]]) -> list[Transfer]:
+    """The transfers that bring each rank the needs it cannot read itself, sorted for sending.
+
+    ``stranded[r]``: rank r's needs in files it cannot read, by their index in
+    its list of needs (the index each :class:`Transfer` names); ``readable[r]``:
+    the files rank r can read. The readers are chosen as by :func:`plan_sharing`
+    with ``share=False``, among the ranks that can read each file; a need that
+    no rank can read stays its own rank's read (which then says why it fails).
+    """
+    order = [sorted(needs) for needs in stranded]
+    compact = [[needs[i] for i in keys] for needs, keys in zip(stranded, order)]
+    return [Transfer(t.src, t.dst, order[t.dst][t.need]) for t in plan_sharing(compact, readable=readable, share=False)]
 
 
 def _absorb_isolated(clusters: list[tuple[tuple[str, int, int], _Cluster]], load: list[int], limit: float,

@@ -110,17 +110,19 @@ def _same_checkpoint(local: str, manifest: TierManifest) -> bool:
             and os.path.exists(os.path.join(local, INDEX_FILE)))
 
 
-def copies_for_load(checkpoint_dir: str, who: str, local_dir: Optional[str] = None) -> Optional[Copies]:
-    """Where a load of ``checkpoint_dir`` reads, None for a checkpoint that is not tiered.
+def tiers_manifest(checkpoint_dir: str) -> Optional[TierManifest]:
+    """The tiers manifest of ``checkpoint_dir``, None for a checkpoint that is not tiered."""
+    return read_manifest(persistent_dir(checkpoint_dir))
+
+
+def copies_for_load(checkpoint_dir: str, manifest: TierManifest, who: str, local_dir: Optional[str] = None) -> Copies:
+    """Where a load of the tiered checkpoint ``checkpoint_dir`` (``manifest``: its tiers manifest) reads.
 
     ``local_dir``: the local tier's root on this node (default: the one the
     checkpoint records). Raises ``FastPersistError`` where no index of it can
     be found, naming the newest durable checkpoint beside it.
     """
     home = persistent_dir(checkpoint_dir)
-    manifest = read_manifest(home)
-    if manifest is None:
-        return None
     local = local_copy_dir(local_dir or manifest.local_dir, checkpoint_dir)
     copies = Copies(checkpoint_dir, manifest, local, local, home=None if home.local_path is not None else home,
                     local_ok=_same_checkpoint(local, manifest))
