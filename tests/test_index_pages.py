@@ -22,6 +22,7 @@ from fastpersist_dist.format.index_pages import (
     select_pages,
 )
 from fastpersist_dist.format.records import INDEX_FILE
+from fastpersist_dist.format.tiers import local_copy_dir
 from fastpersist_dist.tools.bench.simulate import Layout, loader_requests, paged_index
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.tools.verify import verify_checkpoint
@@ -107,23 +108,47 @@ def grouped(tmp_path_factory) -> str:
     return root
 
 
-def test_a_damaged_page_is_refused_naming_the_part_file_and_key(grouped, tmp_path):
-    path = str(tmp_path / "damaged")
-    shutil.copytree(grouped, path)
-    page = next(p for p in _top(path).pages if p.key == "qkv" and p.group == 1)
-    with open(os.path.join(path, page.part_file), "r+b") as f:  # one character in the middle of the page
+def _damage_page(index_dir: str, key: str, group: int) -> str:
+    """One character in the middle of the page of ``key`` in ``group``'s part file; that part file's name."""
+    page = next(p for p in _top(index_dir).pages if p.key == key and p.group == group)
+    with open(os.path.join(index_dir, page.part_file), "r+b") as f:
         f.seek(page.offset + page.length // 2)
         byte = f.read(1)
         f.seek(page.offset + page.length // 2)
         f.write(b"7" if byte != b"7" else b"8")
-    outcomes = run_ranks(4, _load_outcome, path)
-    # tensor rank 0 never reads the pages of group {1, 3}: ranks 0 and 2 fail only because 1 and 3 did
+    return page.part_file
+
+
+def _refused_by_1_and_3_alone(outcomes: list[str], part_file: str) -> None:
+    """Tensor rank 0 never reads the pages of group {1, 3}: ranks 0 and 2 fail only because 1 and 3 did."""
     assert all(_abandoned_for(outcomes[r], r, [1, 3]) for r in (0, 2)), outcomes
     for rank, refused in ((1, outcomes[1]), (3, outcomes[3])):
-        assert f"rank {rank}" in refused and "checksum mismatch" in refused and page.part_file in refused \
+        assert f"rank {rank}" in refused and "checksum mismatch" in refused and part_file in refused \
             and "'qkv'" in refused, refused
+
+
+def test_a_damaged_page_is_refused_naming_the_part_file_and_key(grouped, tmp_path):
+    path = str(tmp_path / "damaged")
+    shutil.copytree(grouped, path)
+    part_file = _damage_page(path, "qkv", 1)
+    _refused_by_1_and_3_alone(run_ranks(4, _load_outcome, path), part_file)
     problems = verify_checkpoint(path).problems
-    assert any(page.part_file in p and "checksum mismatch" in p for p in problems), problems
+    assert any(part_file in p and "checksum mismatch" in p for p in problems), problems
+
+
+def _save_tiered(rank: int, world: int, root: str, local: str) -> None:
+    save(tp_dp_state(rank, 1), root, FastPersistSaveStrategy(parallel_group=dp_group(rank), local_dir=local,
+                                                             persistent=False))
+
+
+def test_a_tiered_checkpoints_load_reads_only_its_pages_too(tmp_path):
+    """A load of a tiered checkpoint reads the index from the node's copy, also only the pages its requests meet
+    (at 16k ranks every page is half a GiB or more per rank): a page of the other group damaged there fails
+    ranks 1 and 3 alone."""
+    root, local = str(tmp_path / "ckpt"), str(tmp_path / "local-tier")
+    run_ranks(4, _save_tiered, root, local)
+    part_file = _damage_page(local_copy_dir(local, root), "qkv", 1)
+    _refused_by_1_and_3_alone(run_ranks(4, _load_outcome, root), part_file)
 
 
 def test_a_missing_part_file_is_refused_naming_it(grouped, tmp_path):

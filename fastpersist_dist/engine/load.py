@@ -16,6 +16,7 @@ one, past its ``torch.save`` framing.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import math
@@ -80,7 +81,7 @@ class LoadEngine:
 
         Collective over the sharing group where reads are shared, and for a
         tiered checkpoint over the whole job where that group is not it (one
-        gather of a flag: whether a rank needs bytes only other nodes hold,
+        gather of the bytes ranks need that only other nodes hold, mostly none:
         ``ReadExchange.recover``); a rank that fails tells the others, which
         raise naming it.
         """
@@ -97,16 +98,17 @@ class LoadEngine:
                 copies = _copies(checkpoint_dir, manifest, who, cfg.local_dir)
                 index_dir = checkpoint_dir if copies is None else copies.index_dir
                 closing.enter_context(reading(None if copies is None else copies.local))
-                # a tiered checkpoint: every record, so that a rank can read any file it holds for the others
-                wants = requested_boxes(nested_values(sharded_state_dict)) if copies is None else None
-                index = read_index(index_dir, who, wants)
+                index = read_index(index_dir, who, requested_boxes(nested_values(sharded_state_dict)))
+                # Every record, read only where needed: to read for another rank what it cannot reach, to fetch a
+                # whole data file from an object store.
+                whole = functools.cache(lambda: read_index(index_dir, who))
                 if copies is not None:
-                    copies.locate(index)
+                    copies.locate()
                 reader = closing.enter_context(ShardReader(
                     checkpoint_dir, index, cfg.verify_checksums, who, *(() if copies is None else (
-                        copies.dirs, copies.missing, copies.fetcher(index, who)))))
+                        copies.dirs, copies.missing, copies.fetcher(whole, who)))))
                 stream = open_stream(reader, lambda: aio_resources(cfg.aio), cfg.direct_io)
-                loader = Loader(index, reader, rank, cfg.trust_objects, stream)
+                loader = Loader(index, reader, rank, cfg.trust_objects, stream, whole)
                 dict_list_map_inplace(loader.load, sharded_state_dict)
             except Exception as e:
                 # the others' next gather: a tiered load's first step, else the sharing group's
@@ -118,7 +120,7 @@ class LoadEngine:
             share = cfg.share_reads == "on" or not on_memory_filesystem(nearest)
             # A tiered checkpoint: each rank reads what it can reach (its node's copy, the persistent tier once a
             # file is there), the rest is read for it by a rank that can and sent (the same on every rank).
-            readable = None if copies is None else frozenset(f for f in index.files if reader.copies_of(f))
+            readable = None if copies is None else frozenset(f for f in copies.dirs if reader.copies_of(f))
             loader.run(cfg.read_threads, group, share, readable, recovery)
         seconds = time.perf_counter() - start
         sent, received = loader.exchanged
@@ -164,8 +166,9 @@ class Loader:
     """
 
     def __init__(self, index: CheckpointIndex, reader: ShardReader, rank: int, trust_objects: bool,
-                 stream: Optional[StreamReader] = None):
+                 stream: Optional[StreamReader] = None, whole: Optional[Callable[[], CheckpointIndex]] = None):
         self.reader = reader
+        self.whole = whole or (lambda: index)  # every record: ``index`` holds those of this rank's requests
         self.stream = stream  # O_DIRECT aio reads of the tensors, where open_stream chose them
         self.rank = rank
         self.trust_objects = trust_objects
@@ -265,8 +268,11 @@ class Loader:
             exchange.complete(lambda: self._read(reads, threads, placed), shown.add)
 
     def _extent(self, file: str, offset: int, byte_start: int) -> tuple[ShardRecord, Extent]:
-        """The record at ``offset`` of ``file`` and its extent starting at ``byte_start`` (from the index)."""
-        record = next(r for r in self.reader.index.records if r.file == file and r.offset == offset)
+        """The record at ``offset`` of ``file`` and its extent starting at ``byte_start``: one this rank reads for
+        another rank without requesting it, found in the whole index, which the reader then reads by."""
+        index = self.whole()
+        self.reader.widen(index)
+        record = next(r for r in index.records if r.file == file and r.offset == offset)
         return record, next(e for e in record_extents(record) if e.byte_start == byte_start)
 
     def _read(self, reads: list[BoxRead], threads: int, placed: Callable[[torch.Tensor], None]) -> None:

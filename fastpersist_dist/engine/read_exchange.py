@@ -17,10 +17,10 @@ A tiered checkpoint that is not durable yet may hold a file only in the local
 tiers of other nodes (a replaced node's files, in their replicas). Where the
 load's group is not the whole job (sharing off, a job above
 ``DEFAULT_GROUP_MAX_RANKS``, or a ``parallel_group`` of one node's ranks),
-:meth:`ReadExchange.recover` first asks the whole job whether any rank needs
-such bytes (a gather of one flag); only then do the ranks that need them send
-those needs, every rank the files it can read, and ranks holding a copy read
-and send them (``plan.read_sharing.plan_recovery``).
+:meth:`ReadExchange.recover` gathers over the whole job each rank's needs of
+such bytes (an empty list from most, or all, ranks); only where there are some
+does every rank say which of those files it can read, and ranks holding a copy
+read and send them (``plan.read_sharing.plan_recovery``).
 
 Bytes received were verified by the rank that read them; the transport
 (TCP for gloo, NCCL) is trusted. Extra memory: the send buffers of this rank
@@ -212,16 +212,18 @@ class ReadExchange:
     def recover(cls, reads: list[BoxRead], group: dist.ProcessGroup, block: Optional[int], who: str,
                 readable: frozenset[str], lookup: Lookup) -> Optional["ReadExchange"]:
         """The transfers bringing each rank of ``group`` (the whole job) the bytes it needs of files it cannot
-        read (``readable``: those it can); None, on every rank, when no rank needs any (collective: one gather
-        of a flag, and only then a second of those needs and of each rank's readable files)."""
+        read (``readable``: those it can); None, on every rank, when no rank needs any. Collective: one gather
+        of each rank's needs of such files (none, mostly), and only where there are some a second, of which of
+        those files each rank can read."""
         start = time.perf_counter()
         stranded = {i: need_of(r, block) for i, r in enumerate(reads) if r.record.file not in readable}
         agreement = shared_load(who)
-        if not any(agreement.agree(bool(stranded), group)):
+        everyone = agreement.agree(stranded, group)
+        if not any(everyone):
             return None
-        gathered = agreement.agree((stranded, sorted(readable)), group)
-        everyone = [needs for needs, _ in gathered]
-        transfers = plan_recovery(everyone, [frozenset(names) for _, names in gathered])
+        files = {n.file for needs in everyone for n in needs.values()}
+        holders = agreement.agree(sorted(readable & files), group)
+        transfers = plan_recovery(everyone, [frozenset(names) for names in holders])
         if not transfers:
             return None
         ex = cls(reads, everyone, transfers, group, who, lookup)

@@ -64,6 +64,11 @@ class ShardReader:
         self._lock = threading.Lock()
         self._local = threading.local()  # each read thread's staging buffer, see _staging
 
+    def widen(self, index: CheckpointIndex) -> None:
+        """Read by ``index`` from now on: the whole index of the one this reader was opened with (which held the
+        records of the load's requests), for reads of files beyond them."""
+        self.index = index
+
     def close(self) -> None:
         """Close every file opened so far."""
         for fd in [*self._fds.values(), *self._dropped]:

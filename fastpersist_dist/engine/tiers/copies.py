@@ -53,18 +53,20 @@ class Copies:
     def of(self, data_file: str) -> tuple[str, ...]:
         return self.dirs.get(data_file, ())
 
-    def locate(self, index: CheckpointIndex) -> None:
-        """Each data file's copies (this node's, the persistent tier's), given the index read."""
+    def locate(self) -> None:
+        """Each data file's copies (this node's, the persistent tier's): every file of the checkpoint, whichever a
+        load requests, since a rank may read for another one that it cannot reach."""
         durable = self.manifest.state == DURABLE
         home = persistent_dir(self.checkpoint_dir)
-        there = set(index.files) if durable else drained_files(home, self.manifest)
-        for data_file in index.files:
+        files = sorted(self.manifest.files)
+        there = set(files) if durable else drained_files(home, self.manifest)
+        for data_file in files:
             found = [self.local] if self.local_ok and os.path.exists(os.path.join(self.local, data_file)) else []
             if data_file in there:
                 found.append(home.url)
             if found:
                 self.dirs[data_file] = tuple(found)
-        unreachable = [f for f in index.files if f not in self.dirs]
+        unreachable = [f for f in files if f not in self.dirs]
         if unreachable:
             beside = newest_durable_beside(self.checkpoint_dir)
             for f in unreachable:
@@ -74,14 +76,17 @@ class Copies:
                                    f"kept only in the local tiers of nodes {holders}, and no rank of this load holds "
                                    f"an intact copy{beside}")
 
-    def fetcher(self, index: CheckpointIndex, who: str) -> Optional[tuple[str, str, Callable[[str], str]]]:
+    def fetcher(self, whole: Callable[[], CheckpointIndex],
+                who: str) -> Optional[tuple[str, str, Callable[[str], str]]]:
         """(the object store's URL, this node's copy, a function fetching a data file from there into it), None for
-        a filesystem: the reader then opens the persistent tier's files where they are."""
+        a filesystem: the reader then opens the persistent tier's files where they are. ``whole``: the whole index
+        (a fetch checks every block of the file)."""
         if self.home is None:
             return None
         home, since = self.home, time.time()  # a file another rank of this node fetched since then is this load's
 
         def fetch(data_file: str) -> str:
+            index = whole()
             path = os.path.join(self.local, data_file)
             size = index.files[data_file]
             spans = block_spans([r for r in index.records if r.file == data_file], index.checksum_block_bytes,
