@@ -126,7 +126,8 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(cluster):
     """replicas=1, local checkpoints only: each node also keeps the other's file (inspect shows it, from the
     persistent directory and from a node's copy); node 1 replaced by a fresh machine loads its share from node
     0's replica (the persistent tier has no data file to read), also where the load's group is not the whole job
-    (reads unshared, as in a job of more than 64 ranks by default)."""
+    (a parallel_group of each node's ranks, as a job of more than 64 ranks has none by default); with
+    share_reads="off" (loads independent of each other) node 1 is refused, saying so."""
     saved = _save(cluster, {"name": "s1", "step": 1, "replicas": 1, "persistent": False, "wait_copies": True})
     assert all(r["saves"][0]["copied"] and r["saves"][0]["state"] == "replicated" for r in saved), saved
     for node in (0, 1):
@@ -145,8 +146,10 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(cluster):
     _wipe(cluster, 1)
     loaded = _load(cluster, "s1", 1)
     assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
-    loaded = _load(cluster, "s1", 1, share_reads="off")
+    loaded = _load(cluster, "s1", 1, node_group=True)
     assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
+    loaded = _load(cluster, "s1", 1, share_reads="off")
+    assert loaded[0].get("equal") and "share_reads='off'" in loaded[1].get("error", ""), loaded
 
 
 @pytest.mark.engine

@@ -8,7 +8,8 @@ namespace of its own where the same local-tier path is that node's own directory
   then optionally wait
   until it is durable (``wait_durable``) or until this rank's copies are done (``wait_copies``);
 * ``load``: load ``checkpoint`` into a fresh state of ``step`` (with ``loader_local_dir`` and ``share_reads`` if
-  given; ``whole``: every rank asks for all of ``w``) and compare.
+  given; ``whole``: every rank asks for all of ``w``; ``node_group``: the loader's ``parallel_group`` is the
+  ranks of this rank's node) and compare.
 
 ``msc``: turn on megatron-core's multi-storage-client support (``msc://`` checkpoint paths, ``--enable-msc``).
 Prints one line ``RESULT {...}``: what this rank saw, the warnings and errors it logged, and how its drain
@@ -96,13 +97,21 @@ def _state(ckpt: str) -> str:
         return f"{type(e).__name__}: {e}"
 
 
+def _node_group(rank: int, world: int) -> dist.ProcessGroup:
+    """The ranks of this rank's node, as a process group (made on every rank, for every node, in order)."""
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    groups = [dist.new_group(list(range(first, first + per_node))) for first in range(0, world, per_node)]
+    return groups[rank // per_node]
+
+
 def _load(rank: int, world: int, args: dict) -> dict:
     ckpt = args["checkpoint"]
     rows = args.get("rows", 64)
     want = whole_state(rank, world, args["step"], rows) if args.get("whole") else state(rank, world, args["step"], rows)
     request = {k: empty_like_request(v) for k, v in want.items()}
     loader = FastPersistLoadStrategy(local_dir=args.get("loader_local_dir"),
-                                     share_reads=args.get("share_reads", "auto"))
+                                     share_reads=args.get("share_reads", "auto"),
+                                     parallel_group=_node_group(rank, world) if args.get("node_group") else None)
     out: dict = {}
     started = time.perf_counter()
     try:

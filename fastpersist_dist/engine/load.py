@@ -79,18 +79,18 @@ class LoadEngine:
     def load(self, sharded_state_dict: Any, checkpoint_dir: str) -> Any:
         """Replace every ShardedTensor/ShardedObject with its loaded value (tensors in place when possible).
 
-        Collective over the sharing group where reads are shared, and for a
-        tiered checkpoint over the whole job where that group is not it (one
-        gather of the bytes ranks need that only other nodes hold, mostly none:
-        ``ReadExchange.recover``); a rank that fails tells the others, which
-        raise naming it.
+        Collective where reads are shared (``share_reads`` not "off"): over
+        the sharing group, and for a tiered checkpoint over the whole job where
+        that group is not it (one gather of the bytes ranks need that only
+        other nodes hold, mostly none: ``ReadExchange.recover``); a rank that
+        fails tells the others, which raise naming it.
         """
         cfg = self.config
         start = time.perf_counter()
         rank = _rank()
         who = f"rank {rank}"
         group = sharing_group(cfg.share_reads != "off", self.group)
-        recovery = recovery_group(group)
+        recovery = recovery_group(cfg.share_reads != "off", group)
         manifest = None
         with ExitStack() as closing:
             try:
@@ -103,7 +103,7 @@ class LoadEngine:
                 # whole data file from an object store.
                 whole = functools.cache(lambda: read_index(index_dir, who))
                 if copies is not None:
-                    copies.locate()
+                    copies.locate(independent=cfg.share_reads == "off")
                 reader = closing.enter_context(ShardReader(
                     checkpoint_dir, index, cfg.verify_checksums, who, *(() if copies is None else (
                         copies.dirs, copies.missing, copies.fetcher(whole, who)))))

@@ -15,8 +15,9 @@ waiting forever on a collective or a receive.
 
 A tiered checkpoint that is not durable yet may hold a file only in the local
 tiers of other nodes (a replaced node's files, in their replicas). Where the
-load's group is not the whole job (sharing off, a job above
-``DEFAULT_GROUP_MAX_RANKS``, or a ``parallel_group`` of one node's ranks),
+load's group is not the whole job (a job above ``DEFAULT_GROUP_MAX_RANKS``, or a
+``parallel_group`` of one node's ranks; not with ``share_reads="off"``, whose
+loads stay independent),
 :meth:`ReadExchange.recover` gathers over the whole job each rank's needs of
 such bytes (an empty list from most, or all, ranks); only where there are some
 does every rank say which of those files it can read, and ranks holding a copy
@@ -87,10 +88,11 @@ def sharing_group(share: bool, group: Optional[dist.ProcessGroup]) -> Optional[d
     return group or dist.group.WORLD
 
 
-def recovery_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+def recovery_group(share: bool, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """The whole job, where bytes a rank cannot reach must come from ranks outside ``group`` (the sharing group,
-    or None); None where ``group`` is the whole job already, or there is no other rank."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+    or None); None where loads are independent (``share`` False: ``share_reads="off"``), where ``group`` is the
+    whole job already, or where there is no other rank."""
+    if not share or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
     world = dist.group.WORLD
     if group is world:

@@ -136,8 +136,8 @@ class ReadConfig(AioKnobs):
         collective over that group, as megatron's own loaders are; "auto" reads
         unshared where the checkpoint is on an in-memory filesystem (tmpfs: a
         read is a memory copy, cheaper than a transfer); "off": every rank reads
-        all it needs itself, independently of the others, except bytes of a
-        tiered checkpoint that only other nodes hold (docs/tiers.md).
+        all it needs itself, independently of the others (bytes of a tiered
+        checkpoint that only other nodes hold included: docs/tiers.md).
     io_buffer_mb, aio_block_mb, aio_queue_depth, aio_intra_op_parallelism:
         the reads' aio handle and locked buffer (``AioKnobs``).
     local_dir: the local tier this node's copies of tiered checkpoints are read

@@ -53,9 +53,10 @@ class Copies:
     def of(self, data_file: str) -> tuple[str, ...]:
         return self.dirs.get(data_file, ())
 
-    def locate(self) -> None:
+    def locate(self, independent: bool = False) -> None:
         """Each data file's copies (this node's, the persistent tier's): every file of the checkpoint, whichever a
-        load requests, since a rank may read for another one that it cannot reach."""
+        load requests, since a rank may read for another one that it cannot reach. ``independent``: no rank reads
+        for another in this load (``share_reads="off"``), which the error for a file out of reach says."""
         durable = self.manifest.state == DURABLE
         home = persistent_dir(self.checkpoint_dir)
         files = sorted(self.manifest.files)
@@ -72,9 +73,11 @@ class Copies:
             for f in unreachable:
                 rank = self.manifest.files[f]
                 holders = ", ".join(str(n) for n in self.manifest.holders(f))
+                why = ("; this node has no copy, and with share_reads='off' no other rank reads it for this one: "
+                       "load with share_reads='auto' (collective) to read it from those nodes" if independent
+                       else f", and no rank of this load holds an intact copy{beside}")
                 self.missing[f] = (f"{f} (rank {rank}) of checkpoint {self.checkpoint_dir}, which is not durable, is "
-                                   f"kept only in the local tiers of nodes {holders}, and no rank of this load holds "
-                                   f"an intact copy{beside}")
+                                   f"kept only in the local tiers of nodes {holders}{why}")
 
     def fetcher(self, whole: Callable[[], CheckpointIndex],
                 who: str) -> Optional[tuple[str, str, Callable[[str], str]]]:
