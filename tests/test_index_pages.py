@@ -143,8 +143,8 @@ def _save_tiered(rank: int, world: int, root: str, local: str) -> None:
 
 def test_a_tiered_checkpoints_load_reads_only_its_pages_too(tmp_path):
     """A load of a tiered checkpoint reads the index from the node's copy, also only the pages its requests meet
-    (at 16k ranks every page is half a GiB or more per rank): a page of the other group damaged there fails
-    ranks 1 and 3 alone."""
+    (every page would be half a GiB or more per rank at 16k ranks): a page of the other group damaged there
+    fails ranks 1 and 3 alone."""
     root, local = str(tmp_path / "ckpt"), str(tmp_path / "local-tier")
     run_ranks(4, _save_tiered, root, local)
     part_file = _damage_page(local_copy_dir(local, root), "qkv", 1)

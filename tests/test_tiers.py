@@ -280,7 +280,7 @@ def test_drained_to_object_storage_and_restarted_from_it(cluster, s3):
     _wipe(cluster, 0)
     _wipe(cluster, 1)
     loaded = _load(cluster, url, 1, msc=True)
-    assert all(r.get("equal") for r in loaded), [r.get("error") for r in loaded]
+    assert all(r.get("equal") for r in loaded), loaded
     for node in (0, 1):
         assert _data_files(_node_copy(cluster, node, url)), os.listdir(_node_copy(cluster, node, url))
     again = _load(cluster, url, 1, msc=True)

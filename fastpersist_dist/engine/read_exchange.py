@@ -17,11 +17,10 @@ A tiered checkpoint that is not durable yet may hold a file only in the local
 tiers of other nodes (a replaced node's files, in their replicas). Where the
 load's group is not the whole job (a job above ``DEFAULT_GROUP_MAX_RANKS``, or a
 ``parallel_group`` of one node's ranks; not with ``share_reads="off"``, whose
-loads stay independent),
-:meth:`ReadExchange.recover` gathers over the whole job each rank's needs of
-such bytes (an empty list from most, or all, ranks); only where there are some
-does every rank say which of those files it can read, and ranks holding a copy
-read and send them (``plan.read_sharing.plan_recovery``).
+loads stay independent), :meth:`ReadExchange.recover` gathers over the whole job
+each rank's needs of such bytes (none from most ranks, or from all); only where
+there are some does every rank say which of those files it can read, and ranks
+holding a copy read and send them (``plan.read_sharing.plan_recovery``).
 
 Bytes received were verified by the rank that read them; the transport
 (TCP for gloo, NCCL) is trusted. Extra memory: the send buffers of this rank

@@ -34,9 +34,9 @@ each node holds its own ranks' files), ``readable`` says which: a cluster is
 read by a rank that can read its file, a wanting one if any, and a need no
 wanting rank can read becomes a transfer from one that can. With
 ``share=False`` only those are transfers; every other need is its rank's own read.
-:func:`plan_recovery` plans only those, from the few needs that ranks cannot
-read themselves (a replaced node's), which is all a job too large to gather
-every rank's needs sends.
+:func:`plan_recovery` plans only those transfers, from just the needs that
+ranks cannot read themselves (a replaced node's): what a load gathers where its
+group is not the whole job.
 """
 
 from __future__ import annotations
