@@ -90,11 +90,12 @@ class LoadEngine:
         rank = _rank()
         who = f"rank {rank}"
         group = sharing_group(cfg.share_reads != "off", self.group)
-        recovery = recovery_group(cfg.share_reads != "off", group)
-        manifest = None
+        recovery = None  # a tiered load's group for bytes only other nodes hold, where it is not ``group``
         with ExitStack() as closing:
             try:
                 manifest = tiers_manifest(checkpoint_dir)
+                if manifest is not None:
+                    recovery = recovery_group(cfg.share_reads != "off", group)
                 copies = _copies(checkpoint_dir, manifest, who, cfg.local_dir)
                 index_dir = checkpoint_dir if copies is None else copies.index_dir
                 closing.enter_context(reading(None if copies is None else copies.local))
@@ -112,7 +113,7 @@ class LoadEngine:
                 dict_list_map_inplace(loader.load, sharded_state_dict)
             except Exception as e:
                 # the others' next gather: a tiered load's first step, else the sharing group's
-                first = recovery if manifest is not None and recovery is not None else group
+                first = recovery if recovery is not None else group
                 if first is not None:
                     shared_load(who).fail_together(e, first)  # the others raise naming this rank
                 raise
