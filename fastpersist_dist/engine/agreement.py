@@ -18,6 +18,10 @@ import torch.distributed as dist
 
 from ..util.errors import SaveFailedError
 
+# Above this many ranks with a value, :meth:`Agreement.agree_sparse` gathers (one collective) rather than broadcasts
+# (one per rank with a value, each its own round trip across the group).
+SPARSE_MAX_SENDERS = 64
+
 
 @dataclass(frozen=True)
 class Failed:
@@ -58,6 +62,30 @@ class Agreement:
         """Every rank's ``value`` (collective); raises on every rank if any rank sent :class:`Failed`."""
         values = self.gather(value, group)
         self.raise_if([v.error for v in values if isinstance(v, Failed)])
+        return values
+
+    def agree_sparse(self, value: Any, group: Optional[dist.ProcessGroup] = None,
+                     dense_above: int = SPARSE_MAX_SENDERS) -> list[Any]:
+        """Every rank's ``value`` (collective), None for an empty (falsy) one, where most ranks' is empty.
+
+        ``all_gather_object`` pads every value to the largest, so that every rank
+        would receive world x that size; here each rank receives the non-empty
+        values only: one gather of a flag per rank (where a rank's
+        :meth:`fail_together` fits), then a broadcast of each non-empty value,
+        or, where more than ``dense_above`` ranks have one, one gather of them all.
+        """
+        senders = [r for r, full in enumerate(self.agree(bool(value), group)) if full]
+        if len(senders) > dense_above:
+            return [v or None for v in self.gather(value, group)]
+        values: list[Any] = [None] * dist.get_world_size(group)
+        me = dist.get_rank(group)
+        for r in senders:
+            box = [value if r == me else None]
+            try:
+                dist.broadcast_object_list(box, group=group, group_src=r)
+            except RuntimeError as e:  # torch's DistError family: a rank died or timed out
+                raise self.error(f"{self.lost} ({e})") from e
+            values[r] = box[0]
         return values
 
     def fail_together(self, error: BaseException, group: Optional[dist.ProcessGroup] = None) -> NoReturn:

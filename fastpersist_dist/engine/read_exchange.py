@@ -18,8 +18,9 @@ tiers of other nodes (a replaced node's files, in their replicas). Where the
 load's group is not the whole job (a job above ``DEFAULT_GROUP_MAX_RANKS``, or a
 ``parallel_group`` of one node's ranks; not with ``share_reads="off"``, whose
 loads stay independent), :meth:`ReadExchange.recover` gathers over the whole job
-each rank's needs of such bytes (none from most ranks, or from all); only where
-there are some does every rank say which of those files it can read, and ranks
+each rank's needs of such bytes (none from most ranks, or from all: only the
+ranks that have some send them, ``Agreement.agree_sparse``); only where there
+are some does every rank say which of those files it can read, and ranks
 holding a copy read and send them (``plan.read_sharing.plan_recovery``).
 
 Bytes received were verified by the rank that read them; the transport
@@ -213,13 +214,13 @@ class ReadExchange:
     def recover(cls, reads: list[BoxRead], group: dist.ProcessGroup, block: Optional[int], who: str,
                 readable: frozenset[str], lookup: Lookup) -> Optional["ReadExchange"]:
         """The transfers bringing each rank of ``group`` (the whole job) the bytes it needs of files it cannot
-        read (``readable``: those it can); None, on every rank, when no rank needs any. Collective: one gather
-        of each rank's needs of such files (none, mostly), and only where there are some a second, of which of
-        those files each rank can read."""
+        read (``readable``: those it can); None, on every rank, when no rank needs any. Collective: a gather of
+        one flag per rank and a broadcast of the needs of each rank that has some (``Agreement.agree_sparse``),
+        then, only where there are some, a gather of which of those files each rank can read."""
         start = time.perf_counter()
         stranded = {i: need_of(r, block) for i, r in enumerate(reads) if r.record.file not in readable}
         agreement = shared_load(who)
-        everyone = agreement.agree(stranded, group)
+        everyone = [needs or {} for needs in agreement.agree_sparse(stranded, group)]
         if not any(everyone):
             return None
         files = {n.file for needs in everyone for n in needs.values()}
