@@ -143,9 +143,17 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(cluster):
     assert report.ok and report.index == "pending" and len(report.files) == 2, report.problems
     text = format_report(report)
     assert "tiers: replicated" in text and "node 1: ranks 1; replicas on nodes 0" in text, text
-    _wipe(cluster, 1)
-    loaded = _load(cluster, "s1", 1)
+    # where it was saved, the load asks the persistent tier for its manifest and megatron's files only
+    loaded = _load(cluster, "s1", 1, audit=True)
     assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
+    for r in loaded:
+        ours = [io for io in r["persistent_io"] if io.startswith("list") or ".fastpersist" in io]
+        assert ours == [], r["persistent_io"]
+    _wipe(cluster, 1)
+    loaded = _load(cluster, "s1", 1, audit=True)
+    assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
+    # the replaced node's rank looks for its file's drain marker (not there: it reads node 0's replica)
+    assert "open .fastpersist_drained." in " ".join(loaded[1]["persistent_io"]), loaded[1]["persistent_io"]
     loaded = _load(cluster, "s1", 1, node_group=True)
     assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
     loaded = _load(cluster, "s1", 1, share_reads="off")

@@ -9,7 +9,8 @@ namespace of its own where the same local-tier path is that node's own directory
   until it is durable (``wait_durable``) or until this rank's copies are done (``wait_copies``);
 * ``load``: load ``checkpoint`` into a fresh state of ``step`` (with ``loader_local_dir`` and ``share_reads`` if
   given; ``whole``: every rank asks for all of ``w``; ``node_group``: the loader's ``parallel_group`` is the
-  ranks of this rank's node) and compare.
+  ranks of this rank's node) and compare; ``audit``: also report the load's listings of the checkpoint's
+  directory and the files it opened there (``persistent_io``: Python's audit events, no code replaced).
 
 ``msc``: turn on megatron-core's multi-storage-client support (``msc://`` checkpoint paths, ``--enable-msc``).
 Prints one line ``RESULT {...}``: what this rank saw, the warnings and errors it logged, and how its drain
@@ -113,6 +114,9 @@ def _load(rank: int, world: int, args: dict) -> dict:
                                      share_reads=args.get("share_reads", "auto"),
                                      parallel_group=_node_group(rank, world) if args.get("node_group") else None)
     out: dict = {}
+    seen: list[str] = []
+    if args.get("audit"):
+        sys.addaudithook(_persistent_io(ckpt, seen))
     started = time.perf_counter()
     try:
         loaded = dist_checkpointing.load(request, ckpt, sharded_strategy=loader)
@@ -121,8 +125,28 @@ def _load(rank: int, world: int, args: dict) -> dict:
     else:
         out["equal"] = all(torch.equal(loaded[k], v.data) for k, v in want.items())
     out["seconds"] = time.perf_counter() - started
+    out["persistent_io"] = list(seen)
+    seen.append("")  # the hook, which stays installed, records no more
     out["state"] = _state(ckpt)
     return out
+
+
+def _persistent_io(ckpt: str, seen: list[str]):
+    """An audit hook appending to ``seen`` "list NAME" for each listing of ``ckpt`` (or a directory in it) and
+    "open NAME" for each file opened there, names relative to ``ckpt``, until ``seen`` ends with ""."""
+    top = os.path.realpath(ckpt)
+
+    def hook(event: str, args: tuple) -> None:
+        if event not in ("os.listdir", "os.scandir", "open") or (seen and seen[-1] == "") or not args:
+            return
+        path = args[0]
+        if not isinstance(path, (str, bytes, os.PathLike)) or isinstance(path, int):
+            return
+        path = os.path.realpath(os.fsdecode(path) or ".")
+        if path == top or path.startswith(top + os.sep):
+            seen.append(f"{'open' if event == 'open' else 'list'} {os.path.relpath(path, top)}")
+
+    return hook
 
 
 def main(action: str, args: dict) -> dict:

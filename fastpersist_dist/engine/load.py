@@ -104,10 +104,10 @@ class LoadEngine:
                 # whole data file from an object store.
                 whole = functools.cache(lambda: read_index(index_dir, who))
                 if copies is not None:
-                    copies.locate(independent=cfg.share_reads == "off")
+                    copies.locate(index.files, independent=cfg.share_reads == "off")
                 reader = closing.enter_context(ShardReader(
                     checkpoint_dir, index, cfg.verify_checksums, who, *(() if copies is None else (
-                        copies.dirs, copies.missing, copies.fetcher(whole, who)))))
+                        copies, copies.fetcher(whole, who)))))
                 stream = open_stream(reader, lambda: aio_resources(cfg.aio), cfg.direct_io)
                 loader = Loader(index, reader, rank, cfg.trust_objects, stream, whole)
                 dict_list_map_inplace(loader.load, sharded_state_dict)
@@ -121,7 +121,7 @@ class LoadEngine:
             share = cfg.share_reads == "on" or not on_memory_filesystem(nearest)
             # A tiered checkpoint: each rank reads what it can reach (its node's copy, the persistent tier once a
             # file is there), the rest is read for it by a rank that can and sent (the same on every rank).
-            readable = None if copies is None else frozenset(f for f in copies.dirs if reader.copies_of(f))
+            readable = None if copies is None else frozenset(copies.dirs)
             loader.run(cfg.read_threads, group, share, readable, recovery)
         seconds = time.perf_counter() - start
         sent, received = loader.exchanged

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -33,12 +33,24 @@ READ_CALL_BYTES = 8 << 20
 VERIFY_CHUNK_BYTES = 64 << 20
 
 
+class CopySource(Protocol):
+    """Where the copies of a checkpoint's data files are (a tiered checkpoint's: ``engine/tiers/copies.py``)."""
+
+    def of(self, name: str) -> tuple[str, ...]:
+        """The directories known to hold a copy of data file ``name``, nearest first."""
+
+    def further(self, name: str) -> bool:
+        """Look for copies of ``name`` beyond those known (they all failed); whether one was found."""
+
+    def why_missing(self, name: str) -> str:
+        """Why no copy of ``name`` can be read from here."""
+
+
 class ShardReader:
     """Reads from the data files of one checkpoint; keeps files open until ``close``.
 
     A data file may have several copies (a tiered checkpoint: the node's local
-    tier, then the persistent one; ``copies`` maps it to their directories,
-    nearest first; ``missing`` says why a file has none): a copy that is
+    tier, then the persistent one, as ``copies`` finds them): a copy that is
     missing, of another size, or whose bytes fail their checksums is left, with
     a warning, for the next one, and the read is done again from there.
     ``fetch``: (a copy that is not a local directory, the local directory its
@@ -47,14 +59,12 @@ class ShardReader:
     """
 
     def __init__(self, checkpoint_dir: str, index: CheckpointIndex, verify: bool, who: str,
-                 copies: Optional[dict[str, tuple[str, ...]]] = None, missing: Optional[dict[str, str]] = None,
-                 fetch: Optional[tuple[str, str, Callable[[str], str]]] = None):
+                 copies: Optional[CopySource] = None, fetch: Optional[tuple[str, str, Callable[[str], str]]] = None):
         self.dir = checkpoint_dir
         self.index = index
         self.verify = verify
         self.who = who  # e.g. "rank 3": starts every error message
         self._copies = copies
-        self._missing = missing or {}
         self._fetch = fetch
         self._fetched: set[str] = set()
         self._fetching = threading.Lock()
@@ -78,7 +88,7 @@ class ShardReader:
 
     def copies_of(self, name: str) -> tuple[str, ...]:
         """The directories holding a copy of data file ``name``, nearest first."""
-        return (self.dir,) if self._copies is None else self._copies.get(name, ())
+        return (self.dir,) if self._copies is None else self._copies.of(name)
 
     def path(self, name: str) -> str:
         """The path of the copy of data file ``name`` that reads use now."""
@@ -97,7 +107,7 @@ class ShardReader:
         """
         with self._lock:
             choice = self._choice.get(name, 0)
-            if choice + 1 >= len(self.copies_of(name)):
+            if choice + 1 >= len(self.copies_of(name)) and (self._copies is None or not self._copies.further(name)):
                 return False
             fd = self._fds.pop(name, None)
             if fd is not None:
@@ -122,9 +132,9 @@ class ShardReader:
         with self._lock:
             fd = self._fds.get(name)
         while fd is None:
-            if not self.copies_of(name):
-                raise FastPersistError(f"{self.who}: no copy of {name} can be read from here: "
-                                       f"{self._missing.get(name, 'it is in no tier this load knows')}")
+            if not self.copies_of(name) and (self._copies is None or not self._copies.further(name)):
+                why = "it is in no tier this load knows" if self._copies is None else self._copies.why_missing(name)
+                raise FastPersistError(f"{self.who}: no copy of {name} can be read from here: {why}")
             try:
                 fd = self._open(name)
             except CorruptCheckpointError as e:

@@ -3,7 +3,10 @@
 For each data file, in order: this node's local copy (its own ranks' files
 and the replicas it keeps for other nodes), when that copy is of the same
 checkpoint (same id); then the persistent tier, once the file was copied
-there and checked (the checkpoint durable, or the file's drain marker there).
+there and checked (the checkpoint durable, or the file's drain marker there:
+looked up only for the files a rank requests that its node lacks, and for a
+file whose nearer copies failed, so that a restart where the checkpoint was
+saved asks nothing of the persistent tier beyond its manifest).
 Files this rank cannot reach are read by a rank that can (another node's
 local copy: ``read_exchange.py``); a copy whose bytes fail their checksums is
 left for the next one (``storage/reader.py``).
@@ -19,9 +22,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from ...format.checksum import digest_bytes
 from ...format.records import INDEX_FILE, CheckpointIndex
@@ -30,54 +34,94 @@ from ...storage.copy import AtomicFile, block_spans
 from ...storage.files import made_once
 from ...storage.persistent import PersistentDir, PosixDir, persistent_dir
 from ...util.errors import FastPersistError
-from .state import drained_files, newest_durable_beside, pending_dir, read_manifest
+from .state import drained_files, drained_marker, newest_durable_beside, pending_dir, read_manifest
 from .topology import describe_node
 
 logger = logging.getLogger(__name__)
 
 
+# Up to this many files' persistent copies are looked up one marker each; more, with one listing of the
+# persistent tier (on an object store a listing is a request per thousand names, data files and markers).
+LOOKUPS_MAX = 16
+
+
 @dataclass
 class Copies:
-    """Where one load reads a tiered checkpoint from (see the module)."""
+    """Where one load reads a tiered checkpoint from (see the module); a ``storage.reader.CopySource``."""
 
     checkpoint_dir: str
     manifest: TierManifest
     local: str  # this node's copy
     index_dir: str  # a local directory holding the index files
-    # data file -> its copies' directories, nearest first
+    # data file -> the copies known so far, nearest first
     dirs: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    missing: dict[str, str] = field(default_factory=dict)  # data file -> why no copy is reachable from here
     home: Optional[PersistentDir] = None  # an object store the data files are fetched from (None: a filesystem)
     local_ok: bool = False  # whether this node's copy is of this checkpoint
+    independent: bool = False  # no rank reads for another in this load (share_reads="off")
+    looked: set[str] = field(default_factory=set)  # data files whose persistent copy was looked for
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def of(self, data_file: str) -> tuple[str, ...]:
-        return self.dirs.get(data_file, ())
+    def of(self, name: str) -> tuple[str, ...]:
+        return self.dirs.get(name, ())
 
-    def locate(self, independent: bool = False) -> None:
-        """Each data file's copies (this node's, the persistent tier's): every file of the checkpoint, whichever a
-        load requests, since a rank may read for another one that it cannot reach. ``independent``: no rank reads
-        for another in this load (``share_reads="off"``), which the error for a file out of reach says."""
-        durable = self.manifest.state == DURABLE
-        home = persistent_dir(self.checkpoint_dir)
-        files = sorted(self.manifest.files)
-        there = set(files) if durable else drained_files(home, self.manifest)
-        for data_file in files:
+    def locate(self, requested: Iterable[str], independent: bool = False) -> None:
+        """Find this node's copies of every file of the checkpoint (a rank may read one for another rank that cannot
+        reach it) and, of a checkpoint that is durable, the persistent tier's; of one that is not, the persistent
+        tier's copies of the ``requested`` files this node lacks (the others' on demand: :meth:`further`), so that a
+        restart on the nodes that saved makes no request to the persistent tier. ``independent``: no rank reads for
+        another in this load (``share_reads="off"``), which the error for a file out of reach says."""
+        self.independent = independent
+        home = persistent_dir(self.checkpoint_dir).url if self.manifest.state == DURABLE else None
+        for data_file in self.manifest.files:
             found = [self.local] if self.local_ok and os.path.exists(os.path.join(self.local, data_file)) else []
-            if data_file in there:
-                found.append(home.url)
+            if home is not None:
+                found.append(home)
             if found:
                 self.dirs[data_file] = tuple(found)
-        unreachable = [f for f in files if f not in self.dirs]
-        if unreachable:
-            beside = newest_durable_beside(self.checkpoint_dir)
-            for f in unreachable:
-                rank = self.manifest.files[f]
-                holders = ", ".join(str(n) for n in self.manifest.holders(f))
-                why = ("; this node has no copy, and with share_reads='off' no other rank reads it for this one: "
-                       "load with share_reads='auto' (collective) to read it from those nodes" if independent
-                       else f", and no rank of this load holds an intact copy{beside}")
-                self.missing[f] = (f"{f} (rank {rank}) of checkpoint {self.checkpoint_dir}, which is not durable, is "
-                                   f"kept only in the local tiers of nodes {holders}{why}")
+        if home is not None:
+            self.looked.update(self.manifest.files)
+        self._look_up([f for f in requested if f in self.manifest.files and f not in self.dirs])
+
+    def further(self, name: str) -> bool:
+        """Add the persistent tier's copy of ``name`` where it was not looked for yet and is there; whether it was."""
+        with self._lock:
+            known = len(self.of(name))
+            self._look_up([name])
+            return len(self.of(name)) > known
+
+    def _look_up(self, names: list[str]) -> None:
+        """Add the persistent tier to the copies of those of ``names`` copied there and checked (their drain markers;
+        the state durable by now: all of them)."""
+        names = [n for n in names if n not in self.looked]
+        if not names:
+            return
+        self.looked.update(names)
+        home = persistent_dir(self.checkpoint_dir)
+        if len(names) > LOOKUPS_MAX:
+            there = drained_files(home, self.manifest) & set(names)
+        else:
+            there = {n for n in names if home.read(drained_marker(self.manifest, n)) is not None}
+        if len(there) < len(names):  # markers go once the checkpoint is durable
+            current = read_manifest(home)
+            if current is not None and current.checkpoint_id == self.manifest.checkpoint_id \
+                    and current.state == DURABLE:
+                there = set(names)
+        for name in there:
+            self.dirs[name] = (*self.of(name), home.url)
+        logger.debug("fastpersist: %s: %d of %d data files looked up are on the persistent tier %s", describe_node(),
+                     len(there), len(names), home.url)
+
+    def why_missing(self, name: str) -> str:
+        """Why no copy of data file ``name`` can be read from this node, naming the newest durable checkpoint beside
+        it where no rank of the load reads it for this one."""
+        if name not in self.manifest.files:
+            return "it is in no tier this load knows"
+        holders = ", ".join(str(n) for n in self.manifest.holders(name))
+        why = ("; this node has no copy, and with share_reads='off' no other rank reads it for this one: load with "
+               "share_reads='auto' (collective) to read it from those nodes" if self.independent
+               else f", and no rank of this load holds an intact copy{newest_durable_beside(self.checkpoint_dir)}")
+        return (f"{name} (rank {self.manifest.files[name]}) of checkpoint {self.checkpoint_dir}, which is not durable, "
+                f"is kept only in the local tiers of nodes {holders}{why}")
 
     def fetcher(self, whole: Callable[[], CheckpointIndex],
                 who: str) -> Optional[tuple[str, str, Callable[[str], str]]]:
