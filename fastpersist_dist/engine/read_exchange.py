@@ -185,23 +185,30 @@ class ReadExchange:
 
         A rank passing ``share=False`` turns sharing off for the whole group (the
         decision is taken from the gathered data, so every rank takes the same).
-        ``readable``: the files this rank can read (a tiered checkpoint that is
-        not durable yet; None: all): what a rank cannot read is read for it by
-        one that can, sharing on or off; ``lookup`` finds the record and extent
-        of a need that such a reader does not want itself.
+        ``readable``: the files this rank can read (a tiered checkpoint; None:
+        all): what a rank cannot read is read for it by one that can, sharing on
+        or off (the needs are gathered only where sharing is on or a rank needs
+        such bytes: a gather of two flags per rank first); ``lookup`` finds the
+        record and extent of a need that such a reader does not want itself.
         """
         start = time.perf_counter()
-        needs = [need_of(r, block) for r in reads]
+        agreement = shared_load(who)
         if readable is None:
-            everyone = shared_load(who).agree(needs if share else None, group)
+            everyone = agreement.agree([need_of(r, block) for r in reads] if share else None, group)
             if any(n is None for n in everyone):
                 return None
             transfers = plan_sharing(everyone, MAX_READ_GAP, ABSORB_MAX_BYTES)
         else:
-            gathered = shared_load(who).agree((needs, sorted(readable), share), group)
-            everyone = [n for n, _, _ in gathered]
-            transfers = plan_sharing(everyone, MAX_READ_GAP, ABSORB_MAX_BYTES,
-                                     [frozenset(r) for _, r, _ in gathered], all(s for _, _, s in gathered))
+            # (sharing on, needs bytes of a file it cannot read) first: without sharing and with nothing out of
+            # reach (a restart from a memory tier), the needs are not gathered
+            flags = agreement.agree((share, any(r.record.file not in readable for r in reads)), group)
+            shared = all(s for s, _ in flags)
+            if not shared and not any(stranded for _, stranded in flags):
+                return None
+            gathered = agreement.agree(([need_of(r, block) for r in reads], sorted(readable)), group)
+            everyone = [n for n, _ in gathered]
+            transfers = plan_sharing(everyone, MAX_READ_GAP, ABSORB_MAX_BYTES, [frozenset(r) for _, r in gathered],
+                                     shared)
         if not transfers:
             return None
         ex = cls(reads, everyone, transfers, group, who, lookup)
