@@ -31,17 +31,28 @@ from .nodes import Nodes, run_nodes
 REPLICA_ROWS = 262144  # rows of w per rank: 256 MiB, so a replica is still on its way when a node is killed
 
 
-@pytest.fixture
-def cluster(root, tmp_path: Path) -> dict:
-    """Two nodes' local tiers (node n's at ``local``, in its own mount namespace) and a persistent directory."""
-    local = tmp_path / "local-tier"  # the same path on every node
+def _cluster(tiers: Path, persistent: Path) -> dict:
+    """Two nodes' local tiers in ``tiers`` (node n's at ``local``, in its own mount namespace) and a persistent
+    directory."""
+    local = tiers / "local-tier"  # the same path on every node
     local.mkdir()
-    nodes = [tmp_path / f"node{n}" for n in range(2)]
+    nodes = [tiers / f"node{n}" for n in range(2)]
     for d in nodes:
         d.mkdir()
-    persistent = tmp_path / "persistent"
     persistent.mkdir()
     return {"local": str(local), "nodes": [str(d) for d in nodes], "persistent": str(persistent)}
+
+
+@pytest.fixture
+def cluster(root, tmp_path: Path) -> dict:
+    """Local tiers on the disk."""
+    return _cluster(tmp_path, tmp_path / "persistent")
+
+
+@pytest.fixture
+def memory_cluster(root, shm_dir: str, tmp_path: Path) -> dict:
+    """Local tiers in memory (tmpfs), where loads read unshared by default."""
+    return _cluster(Path(shm_dir), tmp_path / "persistent")
 
 
 def _ckpt(cluster: dict, name: str) -> str:
@@ -57,6 +68,12 @@ def _save(cluster: dict, *saves: dict, **options) -> list[dict]:
 def _load(cluster: dict, name: str, step: int, **options) -> list[dict]:
     return run_nodes("load", {"checkpoint": _ckpt(cluster, name), "step": step, **options}, cluster["nodes"],
                      cluster["local"])
+
+
+def _loads(cluster: dict, name: str, step: int, *each: dict, **options) -> list[list[dict]]:
+    """Several loads in turn in one run of the nodes (``each``: their own options); each load's results."""
+    ranks = _load(cluster, name, step, loads=list(each), **options)
+    return [[r["loads"][i] for r in ranks] for i in range(len(each))]
 
 
 def _node_copy(cluster: dict, node: int, name: str) -> str:
@@ -122,12 +139,14 @@ def test_a_fresh_node_and_a_damaged_copy_read_the_persistent_tier(cluster):
 
 
 @pytest.mark.engine
-def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(cluster):
-    """replicas=1, local checkpoints only: each node also keeps the other's file (inspect shows it, from the
-    persistent directory and from a node's copy); node 1 replaced by a fresh machine loads its share from node
-    0's replica (the persistent tier has no data file to read), also where the load's group is not the whole job
-    (a parallel_group of each node's ranks, as a job of more than 64 ranks has none by default); with
-    share_reads="off" (loads independent of each other) node 1 is refused, saying so."""
+def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(memory_cluster):
+    """replicas=1, local checkpoints only, local tiers in memory: each node also keeps the other's file (inspect
+    shows it, from the persistent directory and from a node's copy); node 1 replaced by a fresh machine loads its
+    share from node 0's replica (the persistent tier has no data file to read; the reads unshared, as on any
+    memory tier, but for these), also where the load's group is not the whole job (a parallel_group of each
+    node's ranks, as a job of more than 64 ranks has none by default); with share_reads="off" (loads independent
+    of each other) node 1 is refused, saying so."""
+    cluster = memory_cluster
     saved = _save(cluster, {"name": "s1", "step": 1, "replicas": 1, "persistent": False, "wait_copies": True})
     assert all(r["saves"][0]["copied"] and r["saves"][0]["state"] == "replicated" for r in saved), saved
     for node in (0, 1):
@@ -150,14 +169,12 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(cluster):
         ours = [io for io in r["persistent_io"] if io.startswith("list") or ".fastpersist" in io]
         assert ours == [], r["persistent_io"]
     _wipe(cluster, 1)
-    loaded = _load(cluster, "s1", 1, audit=True)
-    assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
+    ranks = _load(cluster, "s1", 1, loads=[{"audit": True}, {"node_group": True}, {"share_reads": "off"}])
+    loaded, node_groups, independent = ([r["loads"][i] for r in ranks] for i in range(3))
+    assert all(r.get("equal") for r in loaded + node_groups) and not any(r["warnings"] for r in ranks), ranks
     # the replaced node's rank looks for its file's drain marker (not there: it reads node 0's replica)
     assert "open .fastpersist_drained." in " ".join(loaded[1]["persistent_io"]), loaded[1]["persistent_io"]
-    loaded = _load(cluster, "s1", 1, node_group=True)
-    assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
-    loaded = _load(cluster, "s1", 1, share_reads="off")
-    assert loaded[0].get("equal") and "share_reads='off'" in loaded[1].get("error", ""), loaded
+    assert independent[0].get("equal") and "share_reads='off'" in independent[1].get("error", ""), independent
 
 
 @pytest.mark.engine
@@ -250,9 +267,8 @@ def test_a_node_killed_during_replication_loses_nothing(cluster):
     nodes.finish(check=False)
     assert checkpoint_state(_ckpt(cluster, "s2")) == "local"
     assert not os.path.exists(replica_of_0)
-    assert _load(cluster, "s1", 1)[0]["equal"]
-    loaded = _load(cluster, "s2", 2, rows=REPLICA_ROWS)
-    assert all(r.get("equal") for r in loaded), loaded
+    older, loaded = _loads(cluster, "s1", 1, {}, {"checkpoint": _ckpt(cluster, "s2"), "step": 2, "rows": REPLICA_ROWS})
+    assert older[0]["equal"] and all(r.get("equal") for r in loaded), (older, loaded)
 
 
 def _listdir(path: str) -> list[str]:
@@ -287,12 +303,12 @@ def test_drained_to_object_storage_and_restarted_from_it(cluster, s3):
     assert (report.tiers.state, report.tiers.drained, report.tiers.data_files) == ("durable", 2, 2), report.tiers
     _wipe(cluster, 0)
     _wipe(cluster, 1)
-    loaded = _load(cluster, url, 1, msc=True)
-    assert all(r.get("equal") for r in loaded), loaded
+    loaded, again = _loads(cluster, url, 1, {}, {}, msc=True)
+    assert all(r.get("equal") for r in loaded + again), (loaded, again)
     for node in (0, 1):
         assert _data_files(_node_copy(cluster, node, url)), os.listdir(_node_copy(cluster, node, url))
-    again = _load(cluster, url, 1, msc=True)
-    assert all(r.get("equal") for r in again), again
+    # the first load fetched each node's files into its local tier; the second read them there
+    assert all(r["fetched"] for r in loaded) and not any(r["fetched"] for r in again), (loaded, again)
 
 
 @pytest.mark.engine

@@ -10,7 +10,10 @@ namespace of its own where the same local-tier path is that node's own directory
 * ``load``: load ``checkpoint`` into a fresh state of ``step`` (with ``loader_local_dir`` and ``share_reads`` if
   given; ``whole``: every rank asks for all of ``w``; ``node_group``: the loader's ``parallel_group`` is the
   ranks of this rank's node) and compare; ``audit``: also report the load's listings of the checkpoint's
-  directory and the files it opened there (``persistent_io``: Python's audit events, no code replaced).
+  directory and the files it opened there (``persistent_io``: Python's audit events, no code replaced);
+  ``loads``: several loads in turn in the same processes, each a dict of options over the common ones
+  (``RESULT``'s ``loads``). Each load reports the data files this rank fetched from an object store
+  (``fetched``: the log lines).
 
 ``msc``: turn on megatron-core's multi-storage-client support (``msc://`` checkpoint paths, ``--enable-msc``).
 Prints one line ``RESULT {...}``: what this rank saw, the warnings and errors it logged, and how its drain
@@ -117,6 +120,10 @@ def _load(rank: int, world: int, args: dict) -> dict:
     seen: list[str] = []
     if args.get("audit"):
         sys.addaudithook(_persistent_io(ckpt, seen))
+    fetched = logging.Handler(logging.INFO)  # this rank fetching a data file from an object store
+    fetched.addFilter(lambda record: " fetched " in record.getMessage())
+    fetched.emit = lambda record: out.setdefault("fetched", []).append(record.getMessage())  # type: ignore
+    logging.getLogger("fastpersist_dist").addHandler(fetched)
     started = time.perf_counter()
     try:
         loaded = dist_checkpointing.load(request, ckpt, sharded_strategy=loader)
@@ -124,8 +131,11 @@ def _load(rank: int, world: int, args: dict) -> dict:
         out["error"] = f"{type(e).__name__}: {e}"
     else:
         out["equal"] = all(torch.equal(loaded[k], v.data) for k, v in want.items())
+    finally:
+        logging.getLogger("fastpersist_dist").removeHandler(fetched)
     out["seconds"] = time.perf_counter() - started
     out["persistent_io"] = list(seen)
+    out.setdefault("fetched", [])
     seen.append("")  # the hook, which stays installed, records no more
     out["state"] = _state(ckpt)
     return out
@@ -171,6 +181,8 @@ def main(action: str, args: dict) -> dict:
     result: dict = {"rank": rank, "node": os.environ["GROUP_RANK"], "warnings": warnings, "drained": drained}
     if action == "save":
         result["saves"] = [_save(rank, world, one) for one in args["saves"]]
+    elif "loads" in args:  # several loads in turn, each with its own options over the common ones
+        result["loads"] = [_load(rank, world, {**args, **one}) for one in args["loads"]]
     else:
         result.update(_load(rank, world, args))
     if not args.get("exit_with_copies"):  # else the process's exit waits for them, after destroy_process_group
