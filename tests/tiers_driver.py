@@ -116,13 +116,13 @@ def _load(rank: int, world: int, args: dict) -> dict:
     loader = FastPersistLoadStrategy(local_dir=args.get("loader_local_dir"),
                                      share_reads=args.get("share_reads", "auto"),
                                      parallel_group=_node_group(rank, world) if args.get("node_group") else None)
-    out: dict = {}
+    out: dict = {"fetched": []}
     seen: list[str] = []
     if args.get("audit"):
         sys.addaudithook(_persistent_io(ckpt, seen))
     fetched = logging.Handler(logging.INFO)  # this rank fetching a data file from an object store
     fetched.addFilter(lambda record: " fetched " in record.getMessage())
-    fetched.emit = lambda record: out.setdefault("fetched", []).append(record.getMessage())  # type: ignore
+    fetched.emit = lambda record: out["fetched"].append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("fastpersist_dist").addHandler(fetched)
     started = time.perf_counter()
     try:
@@ -135,7 +135,6 @@ def _load(rank: int, world: int, args: dict) -> dict:
         logging.getLogger("fastpersist_dist").removeHandler(fetched)
     out["seconds"] = time.perf_counter() - started
     out["persistent_io"] = list(seen)
-    out.setdefault("fetched", [])
     seen.append("")  # the hook, which stays installed, records no more
     out["state"] = _state(ckpt)
     return out
@@ -150,7 +149,7 @@ def _persistent_io(ckpt: str, seen: list[str]):
         if event not in ("os.listdir", "os.scandir", "open") or (seen and seen[-1] == "") or not args:
             return
         path = args[0]
-        if not isinstance(path, (str, bytes, os.PathLike)) or isinstance(path, int):
+        if not isinstance(path, (str, bytes, os.PathLike)):  # a descriptor (os.listdir(fd), open(fd))
             return
         path = os.path.realpath(os.fsdecode(path) or ".")
         if path == top or path.startswith(top + os.sep):
