@@ -17,7 +17,8 @@ import pytest
 
 from fastpersist_dist import checkpoint_state
 from fastpersist_dist.engine.tiers.drain import _remove_stale_files
-from fastpersist_dist.engine.tiers.state import drained_marker, failed_marker
+from fastpersist_dist.engine.tiers.state import (POLL_OBJECT_STORE_S, POLL_S, drained_marker, failed_marker,
+                                                 poll_pauses)
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import LOCAL, TierManifest
 from fastpersist_dist.storage.files import TMP_SUFFIX
@@ -49,6 +50,16 @@ def test_rank_0_clears_an_earlier_checkpoint_and_keeps_what_this_one_is_writing(
         open(os.path.join(home, name), "wb").close()
     _remove_stale_files(PosixDir(home), now)
     assert sorted(os.listdir(home)) == sorted(ours + others)
+
+
+@pytest.mark.parametrize("where, longest", [("/shared/ckpt", POLL_S), ("msc://s3/ckpt", POLL_OBJECT_STORE_S)])
+def test_a_wait_looks_again_soon_then_less_and_less_often(where, longest):
+    """Rank 0's wait for the other ranks' copies (and ``wait_durable``): what it waits for mostly ends just after
+    it starts, so it looks again within a few milliseconds, then backs off to one look per ``longest``."""
+    pauses = [p for p, _ in zip(poll_pauses(where), range(12))]
+    assert pauses[0] == pytest.approx(longest / 16)
+    assert all(b == pytest.approx(min(2 * a, longest)) for a, b in zip(pauses, pauses[1:]))
+    assert pauses[-1] == longest and sum(pauses[:5]) < 2 * longest
 
 
 NEVER_FINALIZED = textwrap.dedent("""

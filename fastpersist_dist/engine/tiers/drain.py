@@ -39,7 +39,7 @@ from ...storage.files import TMP_SUFFIX
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
 from ..index_reader import read_index
-from .state import DRAINED_PREFIX, advance, drained_marker, failed_marker, pending_dir, poll_interval, superseded
+from .state import DRAINED_PREFIX, advance, drained_marker, failed_marker, pending_dir, poll_pauses, superseded
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +213,7 @@ def _follow(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy]:
 def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Drain, start: float) -> None:
     """Rank 0: wait for every rank's copy, then commit the index in the persistent directory."""
     wanted = {f for f in m.files if f in sizes}
+    pauses = poll_pauses(m.checkpoint_dir)
 
     def retrying(step: Callable[[], T], what: str) -> T:
         return _retrying(step, job.retry_s, f"rank 0: {what} {home.url}")
@@ -229,7 +230,7 @@ def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Dr
             break
         if retrying(lambda: superseded(m), "reading the state of"):
             return
-        time.sleep(poll_interval(m.checkpoint_dir))
+        time.sleep(next(pauses))
     for name in m.index_files:  # the format's marker is last among them
         with open(os.path.join(job.local, name), "rb") as f:
             data = f.read()

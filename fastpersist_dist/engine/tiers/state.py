@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 from ...format.records import INDEX_FILE
 from ...format.tiers import DURABLE, PENDING_DIR, STATES, TIERS_FILE, TierManifest
@@ -24,14 +24,22 @@ from ...util.errors import CorruptCheckpointError, FastPersistError
 logger = logging.getLogger(__name__)
 
 DRAINED_PREFIX = ".fastpersist_drained."  # the persistent tier's marker of a data file copied and checked
-POLL_S = 0.2  # how often a wait looks again at a directory
+POLL_S = 0.2  # the longest pause of a wait between its looks at a directory
 POLL_OBJECT_STORE_S = 1.0  # ... at an object store (each look is a request)
+FIRST_POLL_FRACTION = 1 / 16  # a wait's first pause, of the longest
 
 _advancing = threading.Lock()
 
 
-def poll_interval(checkpoint_dir: str) -> float:
-    return POLL_OBJECT_STORE_S if is_object_store(checkpoint_dir) else POLL_S
+def poll_pauses(checkpoint_dir: str) -> Iterator[float]:
+    """The pauses of a wait between its looks at ``checkpoint_dir``: short at first, since what it waits for
+    (the other ranks' copies, the commit) mostly ends soon after the wait starts, then doubling up to
+    ``POLL_S`` (``POLL_OBJECT_STORE_S``), so a long wait costs few requests."""
+    longest = POLL_OBJECT_STORE_S if is_object_store(checkpoint_dir) else POLL_S
+    pause = longest * FIRST_POLL_FRACTION
+    while True:
+        yield pause
+        pause = min(pause * 2, longest)
 
 
 def read_manifest(where: PersistentDir) -> Optional[TierManifest]:
@@ -102,6 +110,7 @@ def wait_durable(checkpoint_dir: str, timeout: Optional[float] = None) -> bool:
     restarting) is waited for too, logged; a damaged manifest raises.
     """
     end = None if timeout is None else time.monotonic() + timeout
+    pauses = poll_pauses(str(checkpoint_dir))
     while True:
         try:
             if checkpoint_state(checkpoint_dir) == DURABLE:
@@ -112,7 +121,7 @@ def wait_durable(checkpoint_dir: str, timeout: Optional[float] = None) -> bool:
             logger.warning("fastpersist: cannot ask the state of %s yet (%s); waiting", checkpoint_dir, e)
         if end is not None and time.monotonic() > end:
             return False
-        time.sleep(poll_interval(str(checkpoint_dir)))
+        time.sleep(next(pauses))
 
 
 def newest_durable_beside(checkpoint_dir: str) -> str:
