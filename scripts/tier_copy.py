@@ -3,25 +3,31 @@
 
     .venv-0.19/bin/python scripts/tier_copy.py --src-dir /dev/shm --dst-dir /work/tier-copy --gib 0.485 --reps 5
     .venv-0.19/bin/python scripts/tier_copy.py --src-dir /dev/shm --dst-dir /dev/shm/tier-copy --s3 --reps 5
+    .venv-0.19/bin/python scripts/tier_copy.py --src-dir /dev/shm --dst-dir /dev/shm/tier-copy --s3 --s3-profile s3-rust
 
 Writes one file of pseudo-random bytes cut into records of 1 to 40 MiB (like
 a rank's share of the benchmark's GPT state) into ``--src-dir``, with its
 block checksums, then times ``copy_checked`` of it into ``--dst-dir`` (what
 a drain to a persistent directory and a fetch from one do). With ``--s3`` it
-starts a SeaweedFS server on loopback (``tests/object_store.py``), uploads
-the file once (timed) and times fetches of it into ``--dst-dir`` instead (what
-a load from an object store does). Prints each repetition and the median.
+starts a SeaweedFS server on loopback (``tests/object_store.py``) and times
+uploads of the file (what a drain to an object store does) and fetches of it
+into ``--dst-dir`` (what a load from one does) instead, through msc's boto3
+client or (``--s3-profile s3-rust``) its Rust client. Prints each repetition
+and the median, and for uploads also the CPU seconds this process spent per
+GiB (the server's, on the same machine, apart).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import sys
 import tempfile
 from functools import partial
+from typing import Callable
 
 import numpy as np
 
@@ -53,13 +59,38 @@ def data_file(path: str, size: int) -> list[Span]:
     return block_spans(records, BLOCK, size, path)
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _report(what: str, size: int, times: list[float]) -> None:
+    median = statistics.median(times)
+    print(f"{what} of {size / 2**30:.3f} GiB: {' '.join(f'{t:.3f}' for t in times)} s; "
+          f"median {median:.3f} s ({size / 2**30 / median:.2f} GiB/s)")
+
+
+def _uploads(put: Callable[[], float], size: int, reps: int) -> None:
+    times, cpu = [], []
+    for _ in range(reps):
+        before = _cpu_seconds()
+        times.append(put())
+        cpu.append((_cpu_seconds() - before) / (size / 2**30))
+    _report("upload", size, times)
+    print(f"upload: this process's CPU per GiB {' '.join(f'{c:.2f}' for c in cpu)} s; median "
+          f"{statistics.median(cpu):.2f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--src-dir", required=True, help="where the source file is written (e.g. /dev/shm)")
     parser.add_argument("--dst-dir", required=True, help="where it is copied or fetched to (made, then removed)")
     parser.add_argument("--gib", type=float, default=0.485, help="file size in GiB (default 0.485)")
     parser.add_argument("--reps", type=int, default=5, help="timed copies (default 5)")
-    parser.add_argument("--s3", action="store_true", help="fetch from a SeaweedFS server on loopback instead")
+    parser.add_argument("--s3", action="store_true", help="upload to and fetch from a SeaweedFS server on loopback "
+                        "instead")
+    parser.add_argument("--s3-profile", default="s3", choices=("s3", "s3-rust"),
+                        help="with --s3: msc's boto3 client (default) or its Rust client")
     args = parser.parse_args()
     size = int(args.gib * 2**30)
     src = os.path.join(args.src_dir, f"tier-copy-{os.getpid()}.distcp")
@@ -75,8 +106,8 @@ def main() -> None:
             server = SeaweedS3(server_dir)
             server.start()
             os.environ["MSC_CONFIG"] = server.msc_config(os.path.join(server_dir, "msc.json"))
-            home = persistent_dir("msc://s3/tier-copy")
-            print(f"upload: {home.put('copy.distcp', src, spans, size, 'upload'):.3f} s")
+            home = persistent_dir(f"msc://{args.s3_profile}/tier-copy")
+            _uploads(partial(home.put, "copy.distcp", src, spans, size, "upload"), size, args.reps)
             move = partial(home.fetch, "copy.distcp", dst, spans, size, "fetch")
         else:
             move = partial(copy_checked, src, dst, spans, size, "copy")
@@ -84,9 +115,7 @@ def main() -> None:
         for _ in range(args.reps):
             times.append(move())
             os.unlink(dst)
-        median = statistics.median(times)
-        print(f"{'fetch' if args.s3 else 'copy'} of {size / 2**30:.3f} GiB: {' '.join(f'{t:.3f}' for t in times)} s; "
-              f"median {median:.3f} s ({size / 2**30 / median:.2f} GiB/s)")
+        _report("fetch" if args.s3 else "copy", size, times)
     finally:
         if server is not None:
             server.stop()

@@ -103,14 +103,17 @@ class SeaweedS3:
         except OSError:
             return ""
 
-    def msc_config(self, path: str, profile: str = "s3") -> str:
-        """Write multi-storage-client's profile file for this server at ``path``: ``msc://PROFILE/...`` URLs
-        are objects of the bucket."""
-        config = {"profiles": {profile: {
-            "storage_provider": {"type": "s3", "options": {"base_path": BUCKET, "endpoint_url": self.endpoint,
-                                                           "region_name": "us-east-1"}},
-            "credentials_provider": {"type": "S3Credentials", "options": {"access_key": ACCESS_KEY,
-                                                                          "secret_key": SECRET_KEY}}}}}
+    def msc_config(self, path: str) -> str:
+        """Write multi-storage-client's profile file for this server at ``path``: ``msc://s3/...`` URLs are
+        objects of the bucket through boto3, ``msc://s3-rust/...`` the same objects through msc's Rust client."""
+        def profile(rust: bool) -> dict:
+            options = {"base_path": BUCKET, "endpoint_url": self.endpoint, "region_name": "us-east-1"}
+            if rust:
+                options["rust_client"] = {"allow_http": True}  # the server is on loopback, without TLS
+            return {"storage_provider": {"type": "s3", "options": options},
+                    "credentials_provider": {"type": "S3Credentials", "options": {"access_key": ACCESS_KEY,
+                                                                                  "secret_key": SECRET_KEY}}}
+        config = {"profiles": {"s3": profile(False), "s3-rust": profile(True)}}
         with open(path, "w") as f:
             json.dump(config, f)
         return path

@@ -16,7 +16,8 @@ device's speed instead of the page cache's write-back.
 
 :class:`CheckedFile` is the same for a reader that pulls the bytes itself (an
 object-store client uploading a file): a seekable read-only file whose reads
-return checked bytes only.
+return checked bytes only. :func:`check_file` checks a file in place, for a
+client that reads it by its path.
 """
 
 from __future__ import annotations
@@ -116,6 +117,21 @@ def read_chunk_into(fd: int, chunk: list[Span], buffer: bytearray, where: str, w
     if got != want:
         raise CorruptCheckpointError(f"{who}: short read of {where} at byte {chunk[0].start + got}")
     return view
+
+
+def check_file(src: str, spans: list[Span], size: int, who: str) -> None:
+    """Every block of the local data file ``src`` (``size`` bytes, ``spans`` its blocks) against its checksum,
+    read a chunk at a time into one reused buffer; raises ``CorruptCheckpointError`` naming the first bad one."""
+    fd = _open_source(src, who)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise CorruptCheckpointError(f"{who}: {src} has {os.fstat(fd).st_size} bytes, the index says {size}")
+        chunks = chunk_plan(spans)
+        buffer = bytearray(max((c[-1].end - c[0].start for c in chunks), default=0))
+        for chunk in chunks:
+            check_chunk(read_chunk_into(fd, chunk, buffer, src, who), chunk, src, who)
+    finally:
+        os.close(fd)
 
 
 DIRECT_ALIGN = 4096  # O_DIRECT's alignment of memory, file offsets and lengths
