@@ -246,8 +246,10 @@ def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Dr
     except FastPersistError as e:  # left for the next save into the directory
         logger.warning("fastpersist: %s is durable, but its markers could not all be removed: %s",
                        m.checkpoint_dir, e)
-    logger.info("fastpersist: %s is durable: every data file copied to the persistent tier and checked, its index "
-                "committed there (%.2f s after its drain started)", m.checkpoint_dir, time.perf_counter() - start)
+    seconds, nbytes = time.perf_counter() - start, sum(sizes[f] for f in wanted)
+    logger.info("fastpersist: %s is durable: its %d data files (%.3f GiB) copied to the persistent tier and checked, "
+                "its index committed there, %.2f s after its drain started (%.2f GiB/s)", m.checkpoint_dir,
+                len(wanted), nbytes / 2**30, seconds, nbytes / 2**30 / max(seconds, 1e-9))
 
 
 def _retrying(step: Callable[[], T], retry_s: float, what: str) -> T:
