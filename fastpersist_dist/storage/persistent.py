@@ -191,7 +191,11 @@ class MscDir(PersistentDir):
             try:
                 check_file(src, spans, size, who)
             except CorruptCheckpointError:
-                self.remove(name)
+                try:
+                    self.remove(name)
+                except FastPersistError as e:  # the drain fails either way: no index will name the object
+                    logger.warning("%s: cannot remove %s, uploaded from a damaged file (%s): the next save into "
+                                   "%s replaces or removes it", who, self.where(name), e, self.url)
                 raise
         else:
             with CheckedFile(src, spans, size, who) as f:
