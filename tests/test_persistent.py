@@ -92,6 +92,17 @@ def test_a_damaged_block_is_not_put_and_the_error_names_it(data_home, tmp_path):
     assert "__0_0.distcp" not in data_home.names()
 
 
+def test_a_data_file_of_another_size_than_its_index_says_is_not_put(data_home, tmp_path):
+    src = str(tmp_path / "src.distcp")
+    spans = _data_file(src)
+    with open(src, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(CorruptCheckpointError, match=f"rank 0: {src} has {DATA_BYTES + 1} bytes, the index says "
+                       f"{DATA_BYTES}"):
+        data_home.put("__0_0.distcp", src, spans, DATA_BYTES, "rank 0")
+    assert "__0_0.distcp" not in data_home.names()
+
+
 def test_a_block_damaged_while_the_rust_client_uploads_is_caught_and_the_object_removed(s3, tmp_path, monkeypatch):
     """The Rust client reads the file itself: a block that rots after the check before the upload is found by
     the check after it, and the object it uploaded is removed."""

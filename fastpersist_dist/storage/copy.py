@@ -122,10 +122,8 @@ def read_chunk_into(fd: int, chunk: list[Span], buffer: bytearray, where: str, w
 def check_file(src: str, spans: list[Span], size: int, who: str) -> None:
     """Every block of the local data file ``src`` (``size`` bytes, ``spans`` its blocks) against its checksum,
     read a chunk at a time into one reused buffer; raises ``CorruptCheckpointError`` naming the first bad one."""
-    fd = _open_source(src, who)
+    fd = _open_source(src, who, size)
     try:
-        if os.fstat(fd).st_size != size:
-            raise CorruptCheckpointError(f"{who}: {src} has {os.fstat(fd).st_size} bytes, the index says {size}")
         chunks = chunk_plan(spans)
         buffer = bytearray(max((c[-1].end - c[0].start for c in chunks), default=0))
         for chunk in chunks:
@@ -373,13 +371,19 @@ def _copy_windows(fd: int, out: AtomicFile, windows: list[Window], where: str, w
         reader.join()
 
 
-def _open_source(src: str, who: str) -> int:
+def _open_source(src: str, who: str, size: int) -> int:
+    """``src`` opened for reading, once it is found to hold the ``size`` bytes its index says."""
     try:
-        return os.open(src, os.O_RDONLY)
+        fd = os.open(src, os.O_RDONLY)
     except FileNotFoundError:
         raise FastPersistError(f"{who}: {src} is missing") from None
     except OSError as e:
         raise FastPersistError(f"{who}: cannot open {src}: {e}") from e
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        os.close(fd)
+        raise CorruptCheckpointError(f"{who}: {src} has {actual} bytes, the index says {size}")
+    return fd
 
 
 def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, window: int = CHUNK_BYTES) -> float:
@@ -389,10 +393,8 @@ def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, win
     Raises like :func:`receive_checked`.
     """
     start = time.perf_counter()
-    fd = _open_source(src, who)
+    fd = _open_source(src, who, size)
     try:
-        if os.fstat(fd).st_size != size:
-            raise CorruptCheckpointError(f"{who}: {src} has {os.fstat(fd).st_size} bytes, the index says {size}")
         with _written_whole(dst, src, who) as out:
             _copy_windows(fd, out, window_plan(spans, size, window), src, who,
                           lambda data, chunk: check_chunk(data, chunk, src, who))
@@ -458,12 +460,8 @@ class CheckedFile(io.RawIOBase):
     def __init__(self, path: str, spans: list[Span], size: int, who: str):
         super().__init__()
         self.path, self._spans, self._size, self._who = path, spans, size, who
-        self._fd = -1
-        self._fd = os.open(path, os.O_RDONLY)
-        if os.fstat(self._fd).st_size != size:
-            actual = os.fstat(self._fd).st_size
-            self.close()  # closed once: a later close() (the garbage collector's) must not close a reused number
-            raise CorruptCheckpointError(f"{who}: {path} has {actual} bytes, the index says {size}")
+        self._fd = -1  # until open: a close() (the garbage collector's) must not close a reused number
+        self._fd = _open_source(path, who, size)
         self._pos = 0
         self._held: tuple[int, memoryview] = (-1, memoryview(b""))  # (span index, its checked bytes)
         self._starts = [s.start for s in spans]
