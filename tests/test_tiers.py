@@ -59,20 +59,21 @@ def _ckpt(cluster: dict, name: str) -> str:
     return name if "://" in name else os.path.join(cluster["persistent"], name)
 
 
-def _save(cluster: dict, *saves: dict, **options) -> list[dict]:
-    """Each save (``name``, ``step`` and the driver's options) in turn, in one run of the nodes."""
+def _save(cluster: dict, *saves: dict, per_node: int = 1, **options) -> list[dict]:
+    """Each save (``name``, ``step`` and the driver's options) in turn, in one run of the nodes (``per_node``
+    ranks each)."""
     args = [{"checkpoint": _ckpt(cluster, s["name"]), "local_dir": cluster["local"], **s} for s in saves]
-    return run_nodes("save", {"saves": args, **options}, cluster["nodes"], cluster["local"])
+    return run_nodes("save", {"saves": args, **options}, cluster["nodes"], cluster["local"], per_node)
 
 
-def _load(cluster: dict, name: str, step: int, **options) -> list[dict]:
+def _load(cluster: dict, name: str, step: int, per_node: int = 1, **options) -> list[dict]:
     return run_nodes("load", {"checkpoint": _ckpt(cluster, name), "step": step, **options}, cluster["nodes"],
-                     cluster["local"])
+                     cluster["local"], per_node)
 
 
-def _loads(cluster: dict, name: str, step: int, *each: dict, **options) -> list[list[dict]]:
+def _loads(cluster: dict, name: str, step: int, *each: dict, per_node: int = 1, **options) -> list[list[dict]]:
     """Several loads in turn in one run of the nodes (``each``: their own options); each load's results."""
-    ranks = _load(cluster, name, step, loads=list(each), **options)
+    ranks = _load(cluster, name, step, per_node, loads=list(each), **options)
     return [[r["loads"][i] for r in ranks] for i in range(len(each))]
 
 
@@ -293,21 +294,26 @@ def test_a_full_local_tier_fails_the_save_naming_node_and_path(cluster, small_fs
 
 @pytest.mark.engine
 def test_drained_to_object_storage_and_restarted_from_it(cluster, s3):
-    """The persistent tier an S3 bucket (msc://): durable there; both local tiers lost, a load fetches every
-    file from S3 (checked) into the local tiers, and the next load reads those."""
+    """The persistent tier an S3 bucket (msc://), two ranks a node: durable there; both local tiers lost, a load
+    fetches the index (once a node) and every file a rank reads from S3 (checked) into the local tiers, and the
+    next load reads those."""
     url = f"msc://s3/{uuid.uuid4().hex}/s1"
-    saved = _save(cluster, {"name": url, "step": 1, "replicas": 1, "wait_durable": True}, msc=True)
+    saved = _save(cluster, {"name": url, "step": 1, "replicas": 1, "wait_durable": True}, msc=True, per_node=2)
     assert all(r["saves"][0]["durable"] for r in saved), saved
     report = inspect_checkpoint(url)
     assert report.ok and report.index == "committed" and report.tiers is not None, report
-    assert (report.tiers.state, report.tiers.drained, report.tiers.data_files) == ("durable", 2, 2), report.tiers
+    assert (report.tiers.state, report.tiers.drained, report.tiers.data_files) == ("durable", 4, 4), report.tiers
     _wipe(cluster, 0)
     _wipe(cluster, 1)
-    loaded, again = _loads(cluster, url, 1, {}, {}, msc=True)
+    loaded, again = _loads(cluster, url, 1, {}, {}, msc=True, per_node=2)
     assert all(r.get("equal") for r in loaded + again), (loaded, again)
-    for node in (0, 1):
-        assert _data_files(_node_copy(cluster, node, url)), os.listdir(_node_copy(cluster, node, url))
-    # the first load fetched each node's files into its local tier; the second read them there
+    for node in (0, 1):  # at least the files of the node's ranks
+        copy = _node_copy(cluster, node, url)
+        assert {_data_file(2 * node), _data_file(2 * node + 1)} <= set(_data_files(copy)), os.listdir(copy)
+    # the first load fetched each rank's file into its node's local tier, and the index once a node; the second
+    # read them there
+    index_fetches = [sum(" the index of " in line for line in r["fetched"]) for r in loaded]
+    assert sorted(index_fetches[:2]) == sorted(index_fetches[2:]) == [0, 1], loaded
     assert all(r["fetched"] for r in loaded) and not any(r["fetched"] for r in again), (loaded, again)
 
 

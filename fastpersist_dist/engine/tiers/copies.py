@@ -174,7 +174,7 @@ def copies_for_load(checkpoint_dir: str, manifest: TierManifest, who: str, local
     checkpoint records). Raises ``FastPersistError`` where no index of it can
     be found, naming the newest durable checkpoint beside it.
     """
-    home = persistent_dir(checkpoint_dir)
+    home, since = persistent_dir(checkpoint_dir), time.time()
     local = local_copy_dir(local_dir or manifest.local_dir, checkpoint_dir)
     copies = Copies(checkpoint_dir, manifest, local, local, home=None if home.local_path is not None else home,
                     local_ok=_same_checkpoint(local, manifest))
@@ -188,7 +188,17 @@ def copies_for_load(checkpoint_dir: str, manifest: TierManifest, who: str, local
                                    f"node's copy {local} is not of it{newest_durable_beside(checkpoint_dir)}")
         _check_tied(index, manifest, source.where(INDEX_FILE))
         return replace(copies, index_dir=str(source.local_path))
-    _restore_index(source, manifest, local, who)
+    # once per node: its other ranks find the copy restored since this load started (the manifest put in place last)
+    os.makedirs(local, exist_ok=True)
+    made = made_once(os.path.join(local, TIERS_FILE), lambda: _restore_index(source, manifest, local, who), since)
+    if not made and not _same_checkpoint(local, manifest):  # another save's, restored by a load of it meanwhile
+        _restore_index(source, manifest, local, who)
+        made = True
+    if made:
+        logger.info("fastpersist: %s: the index of %s fetched into this node's copy %s", who, checkpoint_dir, local)
+    else:
+        logger.debug("fastpersist: %s: the index of %s was fetched into %s by another rank of this node", who,
+                     checkpoint_dir, local)
     return replace(copies, local_ok=True)
 
 
@@ -212,7 +222,6 @@ def _write_whole(path: str, data: bytes) -> None:
 def _restore_index(source: PersistentDir, manifest: TierManifest, local: str, who: str) -> None:
     """The index files from ``source`` (an object store) into this node's copy ``local``, then its manifest:
     the copy is of this checkpoint from then on, holding whichever data files get fetched into it."""
-    os.makedirs(local, exist_ok=True)
     for name in manifest.index_files:
         data = source.read(name)
         if data is None:
@@ -223,5 +232,3 @@ def _restore_index(source: PersistentDir, manifest: TierManifest, local: str, wh
             _check_tied(data, manifest, source.where(name))
         _write_whole(os.path.join(local, name), data)
     _write_whole(os.path.join(local, TIERS_FILE), manifest.to_json_bytes())
-    logger.info("fastpersist: %s: the index of %s fetched into this node's copy %s", who, manifest.checkpoint_dir,
-                local)
