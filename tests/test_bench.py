@@ -25,7 +25,7 @@ from fastpersist_dist.tools.bench.runner import (
 )
 from fastpersist_dist.tools.bench.sweep import SEARCH, format_sweep
 from fastpersist_dist.tools.bench.training_loop import DEFAULT_LOOP_CONTENDERS, LoopConfig
-from fastpersist_dist.tools.ranks import RanksFailed
+from fastpersist_dist.tools.ranks import RanksFailed, run_ranks
 from fastpersist_dist.util.config import WriteConfig
 from fastpersist_dist.util.quiet import LOGGED, QUIET_ENV, WARNINGS
 from fastpersist_dist_cli import DEFAULT_CONTENDERS, main
@@ -292,3 +292,17 @@ def test_a_rank_killed_fails_the_benchmark_instead_of_hanging():
     assert "rank 1 was killed by signal 9" in str(err.value)
     assert "rank 0 was stopped after another rank failed" in str(err.value)
     assert time.monotonic() - started < 300  # not the 600 s rank 0 would have slept
+
+
+def _stuck_in_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        time.sleep(600)  # a hang, where the stack shows it
+    return rank
+
+
+def test_a_hung_rank_fails_the_launch_and_prints_where_it_hangs(capfd):
+    with pytest.raises(RanksFailed, match=r"ranks \[1\] hung past 5 s") as err:
+        run_ranks(2, _stuck_in_rank_1, deadline=5)
+    assert "rank 0 ok" in str(err.value)
+    stacks = capfd.readouterr().err
+    assert "_stuck_in_rank_1" in stacks and "test_bench.py" in stacks, stacks

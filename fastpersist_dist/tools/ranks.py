@@ -9,16 +9,21 @@ this process serves instead (:func:`serve_store`), as torchrun's do.
 
 A rank that returns, raises, is killed or dies is reported as such
 (:class:`Outcome`); one still running at the deadline is a hang, and fails
-the run after every rank is stopped.
+the run after every rank is stopped. A launch left early (a hang, or the
+caller's own timeout interrupting the wait) first asks each rank still running
+for every thread's Python stack (SIGUSR1, ``faulthandler``), printed on its
+standard error: where it hung.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import math
 import multiprocessing as mp
 import os
 import queue as queue_module
+import signal
 import socket
 import time
 import traceback
@@ -29,6 +34,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch.distributed as dist
 
 HOST = "127.0.0.1"
+STACKS_WAIT_S = 2.0  # how long a launch left early waits for its running ranks to print their stacks
 # What a rank runs before joining: it may pick its device, and returns the process group's backend.
 Backend = Union[str, Callable[[int, int], str]]
 
@@ -82,6 +88,7 @@ def join(rank: int, world: int, listener: socket.socket, backend: str, timeout: 
 
 def _entry(rank: int, world: int, listener: socket.socket, backend: Backend, pg_timeout: float, fn: Callable,
            args: tuple, out: Any, leave_together: bool) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks a hung rank where it is
     try:
         chosen = backend(rank, world) if callable(backend) else backend
         join(rank, world, listener, chosen, datetime.timedelta(seconds=pg_timeout))
@@ -135,6 +142,7 @@ def launch(world: int, fn: Callable, *args: Any, backend: Backend = "gloo", pg_t
         for p in procs:
             p.start()
     end = time.monotonic() + (math.inf if deadline is None else deadline)
+    waited = False
     try:
         while waiting - outcomes.keys():
             _drain(out, outcomes, 0.2)
@@ -147,9 +155,12 @@ def launch(world: int, fn: Callable, *args: Any, backend: Backend = "gloo", pg_t
                     break
             if time.monotonic() > end and waiting - outcomes.keys():
                 hung = sorted(waiting - outcomes.keys())
-                raise RanksFailed(f"ranks {hung} hung past {deadline} s; the others: "
-                                  + "; ".join(f"rank {r} {o.kind}" for r, o in sorted(outcomes.items())))
+                raise RanksFailed(f"ranks {hung} hung past {deadline} s (their stacks are on standard error); "
+                                  "the others: " + "; ".join(f"rank {r} {o.kind}" for r, o in sorted(outcomes.items())))
+        waited = True
     finally:
+        if not waited:
+            _print_stacks([p for r, p in enumerate(procs) if r not in outcomes])
         done = leave_together and not (waiting - outcomes.keys()) and all(o.kind == "ok" for o in outcomes.values())
         for r, p in enumerate(procs):
             if done:
@@ -159,6 +170,20 @@ def launch(world: int, fn: Callable, *args: Any, backend: Backend = "gloo", pg_t
                 outcomes.setdefault(r, Outcome("stopped"))
             p.join(timeout=60)
     return outcomes
+
+
+def _print_stacks(procs: list[Any]) -> None:
+    """Have each of ``procs`` still running print its threads' stacks (see ``_entry``), and give them the time to."""
+    asked = False
+    for p in procs:
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+                asked = True
+            except ProcessLookupError:
+                pass
+    if asked:
+        time.sleep(STACKS_WAIT_S)
 
 
 def _drain(out: Any, outcomes: dict[int, Outcome], timeout: float) -> None:
