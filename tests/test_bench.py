@@ -226,6 +226,11 @@ def test_bench_train_command_writes_json(tmp_path):
     assert tiered["persisted_s"] >= tiered["durable_s"] > 0 and tiered["replicated_s"] >= tiered["durable_s"], tiered
     assert all(tiered["restart"][k] > 0 for k in ("from_local_s", "from_persistent_s", "local_read_bound_s",
                                                   "local_checksummed_read_bound_s"))
+    # TP=2 (the default) x DP=1: each rank loads its half of the state and the small tensors every rank holds whole
+    restart = tiered["restart"]
+    extra = restart["loaded_bytes_per_rank"] - restart["bound_bytes_per_rank"]
+    assert 0 < extra < 0.01 * restart["bound_bytes_per_rank"], restart
+    assert f"each rank loading {restart['loaded_bytes_per_rank'] / 2**30:.3f} GiB" in proc.stdout, proc.stdout
     assert "fastpersist_tiered: local commit" in proc.stdout and "from the persistent tier" in proc.stdout
     assert "on 2 nodes of this machine (replicas=1)" in proc.stdout and ", replicated (each node's" in proc.stdout
     assert not list((tmp_path / "persistent").iterdir()) and not list(local.iterdir())  # all removed

@@ -199,8 +199,9 @@ def _bound_file(ckpt: str) -> str:
     return os.path.join(ckpt, f"bound{dist.get_rank():05d}.bin")
 
 
-def _share(sd: dict) -> int:
-    """Bytes of this rank's even share of the state (what a balanced writer writes)."""
+def even_share(sd: dict) -> int:
+    """Collective: bytes of this rank's even share of the state (what a balanced writer writes, and what the
+    bounds write and read back)."""
     main = sum(sh.data.numel() * sh.data.element_size() for sh in sd.values() if is_main_replica(sh.replica_id))
     total = torch.tensor([main], dtype=torch.int64, device=collective_device())
     dist.all_reduce(total)
@@ -218,7 +219,7 @@ def _device_bound_write(sd: dict, ckpt: str, config: WriteConfig) -> None:
     """Sequential O_DIRECT aio writes of this rank's share from one locked buffer, then fsync: what fio measures."""
     res = aio_resources(config.aio)
     path, align = _bound_file(ckpt), res.handle.get_alignment()
-    for offset, chunk in _chunks(_share(sd), res.buffer, align):
+    for offset, chunk in _chunks(even_share(sd), res.buffer, align):
         if res.handle.sync_pwrite(chunk, path, offset) < 0:
             raise OSError(f"aio write of {path} at {offset} failed")
     fsync_path(path)
@@ -256,7 +257,7 @@ def _checksummed_bound_write(sd: dict, ckpt: str, config: WriteConfig) -> None:
     res = aio_resources(config.aio)
     path, align = _bound_file(ckpt), res.handle.get_alignment()
     hasher = BlockHasher(config.checksum_block_bytes)
-    for offset, chunk in _chunks(_share(sd), res.buffer, align):
+    for offset, chunk in _chunks(even_share(sd), res.buffer, align):
         submitted = res.handle.async_pwrite(chunk, path, offset)
         hasher.update(chunk.numpy())  # xxhash releases the GIL: the aio threads write meanwhile
         _wait_one(res, submitted, "write", path, offset)

@@ -30,8 +30,10 @@ also reports the time from the call until each checkpoint is durable on the
 persistent tier (polled after every step), and, after its last repetition, a
 restart: that repetition's synchronous save loaded from the local tier, then,
 its local copy removed, from the persistent tier, beside the local tier's read
-bounds (the device bound's reads of as many bytes per rank, plain and with
-every byte hashed as a load must), medians of as many loads as repetitions.
+bounds (the device bound's reads of each rank's even share of the state, plain
+and with every byte hashed as a load must), medians of as many loads as
+repetitions. A rank that holds replicas (data parallelism) loads more than its
+even share: the report gives both sizes.
 With ``nodes`` > 1 (``nodes.py``: each node its own local tier) it keeps one
 replica of each node's files on another node and also reports the time from
 the call until this rank's replication of each checkpoint is done (polled
@@ -69,7 +71,7 @@ from ...storage.shared_memory import SharedBuffer
 from ...strategies.fastpersist_load import FastPersistLoadStrategy
 from ...strategies.fastpersist_save import FastPersistSaveStrategy
 from ...util.config import TierConfig
-from .baselines import CHECKSUMMED_BOUND, CONTENDERS, DEVICE_BOUND, SHIM_NOTE, torch_dist_cpu_shims
+from .baselines import CHECKSUMMED_BOUND, CONTENDERS, DEVICE_BOUND, SHIM_NOTE, even_share, torch_dist_cpu_shims
 from .gpt_state import GptShape, gpt_sharded_state_dict
 from .nodes import become_node, node_dir, node_of, ranks_per_node
 from .runner import (
@@ -508,9 +510,10 @@ def _prepare(ckpt: str) -> None:
 
 def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict[str, float]:
     """Collective: seconds to load ``ckpt`` from the local tier, then (its local copy removed) from the
-    persistent tier, and the device bound's reads of the same bytes per rank from the local tier (``bound_dir``),
-    plain and checksummed (every byte hashed, as a load must): medians of ``reps`` loads each (slowest rank), the
-    local loads alternating with the bounds' reads."""
+    persistent tier, and the device bound's reads of each rank's even share of the state from the local tier
+    (``bound_dir``), plain and checksummed (every byte hashed, as a load must): medians of ``reps`` loads each
+    (slowest rank), the local loads alternating with the bounds' reads; and the bytes per rank of each (the
+    most of any rank)."""
     assert loop.local_dir is not None
     template = {k: _blank(v) for k, v in sd.items()}
     local_copy = local_copy_dir(os.path.abspath(loop.local_dir), ckpt)
@@ -556,9 +559,11 @@ def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict
         return load()
 
     from_persistent = [from_persistent_tier() for _ in range(loop.bench.reps)]
+    loaded = sum(t.data.numel() * t.data.element_size() for t in template.values())
     return {"from_local_s": statistics.median(from_local), "from_persistent_s": statistics.median(from_persistent),
             "local_read_bound_s": statistics.median(bound_s[DEVICE_BOUND]),
-            "local_checksummed_read_bound_s": statistics.median(bound_s[CHECKSUMMED_BOUND])}
+            "local_checksummed_read_bound_s": statistics.median(bound_s[CHECKSUMMED_BOUND]),
+            "loaded_bytes_per_rank": _over_ranks(loaded), "bound_bytes_per_rank": _over_ranks(even_share(sd))}
 
 
 def timed_sync_save(cp: _Checkpointer, sd: dict, root: str) -> float:
@@ -821,9 +826,11 @@ def format_loop_table(rep: dict) -> str:
         if r.get("restart"):
             s = r["restart"]
             lines.append(f"{r['name']}: restart (last repetition's synchronous save, page cache dropped, median of "
-                         f"{rep['reps']} loads each): from the "
-                         f"local tier {s['from_local_s']:.2f} s ({s['local_read_bound_s'] / s['from_local_s']:.2f}x "
-                         f"the local read bound, {s['local_read_bound_s']:.2f} s; "
+                         f"{rep['reps']} loads each): from the local tier {s['from_local_s']:.2f} s, each rank "
+                         f"loading {s['loaded_bytes_per_rank'] / GiB:.3f} GiB "
+                         f"({s['local_read_bound_s'] / s['from_local_s']:.2f}x the local read bound, "
+                         f"{s['local_read_bound_s']:.2f} s, which reads each rank's even share, "
+                         f"{s['bound_bytes_per_rank'] / GiB:.3f} GiB; "
                          f"{s['local_checksummed_read_bound_s'] / s['from_local_s']:.2f}x the checksummed one, "
                          f"{s['local_checksummed_read_bound_s']:.2f} s), from the persistent tier "
                          f"{s['from_persistent_s']:.2f} s")
