@@ -75,6 +75,16 @@ def data_home(request, tmp_path) -> PersistentDir:
     return persistent_dir(f"msc://{request.param}/{uuid.uuid4().hex}/ckpt")
 
 
+def test_files_removed_at_once_are_gone_and_the_missing_ones_no_error(data_home):
+    """Drain markers and stale files go in one call (on S3, a request per thousand names); names that are not
+    there (removed meanwhile, or never written) are not an error."""
+    names = [f".fastpersist_drained.c1.__{i}_0.distcp" for i in range(30)] + ["keep.distcp"]
+    write_at_once([(data_home, n, b"") for n in names])
+    data_home.remove_all(names[:-1] + ["never-written", names[0]])
+    assert data_home.names() == ["keep.distcp"]
+    data_home.remove_all([])
+
+
 def test_a_data_file_put_and_fetched_back_is_the_same(data_home, tmp_path):
     src, back = str(tmp_path / "src.distcp"), str(tmp_path / "back.distcp")
     spans = _data_file(src)

@@ -238,11 +238,8 @@ def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Dr
     if not retrying(lambda: advance(m, DURABLE), "recording the state of"):
         return
     try:
-        for f in m.files:
-            home.remove(drained_marker(m, f))
-        pending = pending_dir(home)
-        for name in m.index_files:
-            pending.remove(name)
+        home.remove_all([drained_marker(m, f) for f in m.files])
+        pending_dir(home).remove_all(list(m.index_files))
     except FastPersistError as e:  # left for the next save into the directory
         logger.warning("fastpersist: %s is durable, but its markers could not all be removed: %s",
                        m.checkpoint_dir, e)
@@ -284,10 +281,12 @@ def _remove_stale(home: PersistentDir, m: TierManifest) -> None:
 def _remove_stale_files(home: PersistentDir, m: TierManifest) -> None:
     keep = set(m.files) | set(m.index_files)
     ours = f"{DRAINED_PREFIX}{m.checkpoint_id}."  # this checkpoint's markers, other ranks' among them
+    stale = []
     for name in home.names():
         if name in keep or name.startswith(ours):
             continue
         if name.endswith(TMP_SUFFIX) and name[: -len(TMP_SUFFIX)].rsplit(".", 1)[0] in keep:
             continue  # a copy of this checkpoint under way
         if is_data_file(name) or name.endswith(TMP_SUFFIX) or name.startswith(DRAINED_PREFIX):
-            home.remove(name)
+            stale.append(name)
+    home.remove_all(stale)
