@@ -142,7 +142,6 @@ def launch(world: int, fn: Callable, *args: Any, backend: Backend = "gloo", pg_t
         for p in procs:
             p.start()
     end = time.monotonic() + (math.inf if deadline is None else deadline)
-    waited = False
     try:
         while waiting - outcomes.keys():
             _drain(out, outcomes, 0.2)
@@ -157,10 +156,10 @@ def launch(world: int, fn: Callable, *args: Any, backend: Backend = "gloo", pg_t
                 hung = sorted(waiting - outcomes.keys())
                 raise RanksFailed(f"ranks {hung} hung past {deadline} s (their stacks are on standard error); "
                                   "the others: " + "; ".join(f"rank {r} {o.kind}" for r, o in sorted(outcomes.items())))
-        waited = True
+    except BaseException:  # a hang, or the caller's timeout interrupting the wait
+        _print_stacks([p for r, p in enumerate(procs) if r not in outcomes])
+        raise
     finally:
-        if not waited:
-            _print_stacks([p for r, p in enumerate(procs) if r not in outcomes])
         done = leave_together and not (waiting - outcomes.keys()) and all(o.kind == "ok" for o in outcomes.values())
         for r, p in enumerate(procs):
             if done:
