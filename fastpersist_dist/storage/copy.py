@@ -140,12 +140,12 @@ STAGING_BYTES = CHUNK_BYTES  # an O_DIRECT destination's page-aligned staging bu
 class AtomicFile:
     """A file written under a temporary name and renamed into place only by :meth:`commit` (fsynced).
 
-    Opened without truncation and cut to the bytes written at :meth:`commit`,
-    as ``storage/writer.py``'s buffered sink is: with O_DIRECT (see the module)
-    the bytes pass through a page-aligned staging buffer, written in whole
-    aligned blocks, the last one padded; on an in-memory filesystem,
-    ``reuse_from`` (a pool of retired files, ``storage/recycle.py``) gives a
-    file to overwrite in place where it holds one (:attr:`reused`).
+    With O_DIRECT (see the module) the bytes pass through a page-aligned
+    staging buffer, written in whole aligned blocks; the last one is padded and
+    the file cut back to its length at :meth:`commit`. On an in-memory
+    filesystem, ``reuse_from`` (a pool of retired files, ``storage/recycle.py``)
+    gives a file to overwrite in place where it holds one (:attr:`reused`),
+    also cut to its length at :meth:`commit`.
     """
 
     def __init__(self, path: str, reuse_from: Optional[str] = None):
@@ -156,7 +156,7 @@ class AtomicFile:
         self._staged = 0  # bytes in the staging buffer, not yet written
         self._length = 0  # bytes given to write()
         self.reused = False
-        flags = os.O_WRONLY | os.O_CREAT
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         if not on_memory_filesystem(os.path.dirname(path) or "."):
             if hasattr(os, "O_DIRECT"):
                 try:
@@ -164,8 +164,9 @@ class AtomicFile:
                     self._staging = mmap.mmap(-1, STAGING_BYTES)
                 except OSError:  # the filesystem refuses O_DIRECT: through the page cache
                     self._fd = None
-        else:  # its pages are written again, not freed and allocated again
-            self.reused = reuse_from is not None and take(reuse_from, self._tmp)
+        elif reuse_from is not None and take(reuse_from, self._tmp):
+            self.reused = True
+            flags &= ~os.O_TRUNC  # its pages are written again, not freed and allocated again
         if self._fd is None:
             self._fd = os.open(self._tmp, flags, 0o644)
 
@@ -207,7 +208,8 @@ class AtomicFile:
             self._staging[self._staged : padded] = bytes(padded - self._staged)
             self._staged = padded
             self._flush(padded)
-        os.ftruncate(self._fd, self._length)
+        if self._staging is not None or self.reused:  # the last block's padding, or the longer file's tail
+            os.ftruncate(self._fd, self._length)
         os.fsync(self._fd)
         self._close()
         os.replace(self._tmp, self.path)
