@@ -179,27 +179,6 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(memory_cluster
 
 
 @pytest.mark.engine
-def test_replicas_received_into_a_tier_in_memory_overwrite_retired_files(memory_cluster):
-    """replicas=1, keep_local=1, local tiers in memory, each save's copies made before the next: save k retires
-    the copy of save k-1 (both its files: the node's own and the replica), so from save 2 on each rank's write and
-    each replica received overwrite a retired file in place; every checkpoint is replicated and loads back."""
-    cluster = memory_cluster
-    saves = [{"name": f"s{i}", "step": i, "replicas": 1, "persistent": False, "keep_local": 1, "wait_copies": True}
-             for i in range(5)]
-    saved = _save(cluster, *saves)
-    for r in saved:
-        assert all(s["copied"] and s["state"] == "replicated" for s in r["saves"]) and not r["warnings"], r
-        wrote, received = ([", over a retired file" in line for line in r[key]] for key in ("wrote", "received"))
-        assert len(wrote) == len(received) == 5, r
-        # save 1's replica races its node's retiring of save 0's copy
-        assert wrote == [False, False, True, True, True] and received[0] is False and all(received[2:]), r
-    for node in (0, 1):
-        assert len(_data_files(_node_copy(cluster, node, "s4"))) == 2, os.listdir(_node_copy(cluster, node, "s4"))
-    loaded = _load(cluster, "s4", 4)
-    assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
-
-
-@pytest.mark.engine
 def test_saves_that_outrun_their_replication_keep_the_copies_it_still_sends(cluster):
     """Local checkpoints saved back to back with replicas=1 and keep_local=1: each commit's retention would take
     the older copies, and their replicas are still queued behind. Every checkpoint becomes replicated, and each

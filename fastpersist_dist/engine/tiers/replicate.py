@@ -61,7 +61,6 @@ class Replication(RankPart):
     """One rank's part of replicating one checkpoint."""
 
     group: dist.ProcessGroup
-    recycled: Optional[str]  # where retired data files wait to be overwritten (storage/recycle.py), if anywhere
 
 
 class _Broken:
@@ -187,9 +186,8 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
 
     error: Optional[Exception] = None
     out: Optional[AtomicFile] = None
-    reused = False
     try:
-        out = AtomicFile(path, job.recycled)
+        out = AtomicFile(path)
     except OSError as e:  # e.g. the local tier is full or gone: received all the same, and dropped
         error = e
     try:
@@ -211,7 +209,6 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
         if out is not None:
             try:
                 out.commit()
-                reused = out.reused
             except OSError as e:
                 error = e
                 out.abandon()
@@ -223,6 +220,4 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
         logger.error("fastpersist: %s: the replica of %s from rank %d was not kept: %s", who, t.data_file, t.src,
                      error)
         return False
-    logger.debug("fastpersist: %s: received the replica of %s from rank %d, every block checked%s", who, t.data_file,
-                 t.src, ", over a retired file" if reused else "")
     return True
