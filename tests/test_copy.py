@@ -24,6 +24,7 @@ from fastpersist_dist.format.checksum import BlockHasher
 from fastpersist_dist.format.records import ShardRecord
 from fastpersist_dist.storage.copy import (
     DIRECT_ALIGN,
+    AtomicFile,
     Span,
     block_layout,
     block_spans,
@@ -34,6 +35,7 @@ from fastpersist_dist.storage.copy import (
     window_plan,
 )
 from fastpersist_dist.storage.files import TMP_SUFFIX, made_once
+from fastpersist_dist.storage.recycle import pool_dir, retire
 from fastpersist_dist.util.errors import CorruptCheckpointError, FastPersistError
 
 pytestmark = pytest.mark.engine
@@ -331,3 +333,26 @@ def test_processes_that_need_the_same_file_make_it_once(tmp_path, there_before):
         assert len(f.read().split()) == 1
     with open(path, "rb") as f:
         assert f.read() == b"fetched"
+
+
+def test_a_file_received_in_memory_overwrites_a_retired_one_and_is_cut_to_its_length(shm_dir, tmp_path):
+    """On tmpfs an AtomicFile given a pool takes a retired file, overwrites it in place (same inode, its pages not
+    allocated again) and cuts its longer tail; with the pool empty, or on a disk, it writes a new file."""
+    pool = pool_dir(shm_dir)
+    retired = os.path.join(shm_dir, "retired")
+    with open(retired, "wb") as f:
+        f.write(b"\xff" * ((3 << 20) + 5))
+    inode = os.stat(retired).st_ino
+    assert retire(pool, [retired], limit=1) == 1
+    data = np.random.default_rng(3).integers(0, 256, (1 << 20) + 17, dtype=np.uint8).tobytes()
+    for name, directory, reused in (("a", shm_dir, True), ("b", shm_dir, False), ("c", str(tmp_path), False)):
+        if directory != shm_dir:
+            assert retire(pool, [os.path.join(shm_dir, "a")], limit=1) == 1  # one there again: a disk ignores it
+        out = AtomicFile(os.path.join(directory, name), pool)
+        out.write(data)
+        out.commit()
+        assert out.reused == reused, name
+        path = os.path.join(directory, name)
+        assert (os.stat(path).st_ino == inode) == reused, name
+        assert Path(path).read_bytes() == data, name
+    assert len(os.listdir(pool)) == 1  # the disk's file took none

@@ -141,20 +141,32 @@ def test_a_fresh_node_and_a_damaged_copy_read_the_persistent_tier(cluster):
 
 @pytest.mark.engine
 def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(memory_cluster):
-    """replicas=1, local checkpoints only, local tiers in memory: each node also keeps the other's file (inspect
-    shows it, from the persistent directory and from a node's copy); node 1 replaced by a fresh machine loads its
-    share from node 0's replica (the persistent tier has no data file to read; the reads unshared, as on any
-    memory tier, but for these), also where the load's group is not the whole job (a parallel_group of each
-    node's ranks, as a job of more than 64 ranks has none by default); with share_reads="off" (loads independent
-    of each other) node 1 is refused, saying so."""
+    """replicas=1, local checkpoints only, local tiers in memory, five saves with keep_local=1, each one's copies
+    made before the next: each node also keeps the other's file (inspect shows it, from the persistent directory
+    and from a node's copy); from the third save on each rank's write overwrites a file of the copy its node
+    retired, and so do the replicas received (see below); node 1 replaced by a fresh machine loads its share of
+    the last checkpoint from node 0's replica (the persistent tier has no data file to read; the reads unshared,
+    as on any memory tier, but for these), also where the load's group is not the whole job (a parallel_group of
+    each node's ranks, as a job of more than 64 ranks has none by default); with share_reads="off" (loads
+    independent of each other) node 1 is refused, saying so."""
     cluster = memory_cluster
-    saved = _save(cluster, {"name": "s1", "step": 1, "replicas": 1, "persistent": False, "wait_copies": True})
-    assert all(r["saves"][0]["copied"] and r["saves"][0]["state"] == "replicated" for r in saved), saved
+    saves = [{"name": f"s{i}", "step": i, "replicas": 1, "persistent": False, "keep_local": 1, "wait_copies": True}
+             for i in range(5)]
+    saved = _save(cluster, *saves)
+    for r in saved:
+        assert all(s["copied"] and s["state"] == "replicated" for s in r["saves"]) and not r["warnings"], r
+        wrote, received = ([", over a retired file" in line for line in r[key]] for key in ("wrote", "received"))
+        assert wrote == [False, False, True, True, True] and len(received) == 5 and not received[0], r
+        # Save k's replica and its node's retiring of save k-1's copy race. The pool holds one copy's files (the
+        # rank's and the replica): a replica received first takes what the write left, one received after takes
+        # one of the refilled pool. So a replica finds the pool empty only if the one before came after the
+        # retiring (leaving the pool one file short) and it comes before: never twice in a row.
+        assert all(received[k] or received[k + 1] for k in range(1, 4)), r
     for node in (0, 1):
-        assert len(_data_files(_node_copy(cluster, node, "s1"))) == 2, os.listdir(_node_copy(cluster, node, "s1"))
-    ckpt = _ckpt(cluster, "s1")
+        assert len(_data_files(_node_copy(cluster, node, "s4"))) == 2, os.listdir(_node_copy(cluster, node, "s4"))
+    ckpt = _ckpt(cluster, "s4")
     assert not _data_files(ckpt) and INDEX_FILE in os.listdir(os.path.join(ckpt, PENDING_DIR))
-    for where in (ckpt, _node_copy(cluster, 0, "s1")):
+    for where in (ckpt, _node_copy(cluster, 0, "s4")):
         report = inspect_checkpoint(where)
         assert report.tiers is not None and report.tiers.state == "replicated", report
         assert (report.tiers.nodes, report.tiers.replica_nodes) == ([[0], [1]], [[1], [0]]), report.tiers
@@ -164,13 +176,13 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(memory_cluster
     text = format_report(report)
     assert "tiers: replicated" in text and "node 1: ranks 1; replicas on nodes 0" in text, text
     # where it was saved, the load asks the persistent tier for its manifest and megatron's files only
-    loaded = _load(cluster, "s1", 1, audit=True)
+    loaded = _load(cluster, "s4", 4, audit=True)
     assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
     for r in loaded:
         ours = [io for io in r["persistent_io"] if io.startswith("list") or ".fastpersist" in io]
         assert ours == [], r["persistent_io"]
     _wipe(cluster, 1)
-    ranks = _load(cluster, "s1", 1, loads=[{"audit": True}, {"node_group": True}, {"share_reads": "off"}])
+    ranks = _load(cluster, "s4", 4, loads=[{"audit": True}, {"node_group": True}, {"share_reads": "off"}])
     loaded, node_groups, independent = ([r["loads"][i] for r in ranks] for i in range(3))
     assert all(r.get("equal") for r in loaded + node_groups) and not any(r["warnings"] for r in ranks), ranks
     # the replaced node's rank looks for its file's drain marker (not there: it reads node 0's replica)

@@ -171,13 +171,21 @@ def main(action: str, args: dict) -> dict:
     copies.addFilter(lambda record: record.getMessage().endswith("every block checked"))
     copies.emit = lambda record: drained.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("fastpersist_dist.engine.tiers.drain").addHandler(copies)
+    kept: dict[str, list[str]] = {"wrote": [], "received": []}  # this rank's writes and replicas received
+    for name, key, says in (("storage.writer", "wrote", " wrote "),
+                            ("engine.tiers.replicate", "received", " received the replica ")):
+        logging.getLogger(f"fastpersist_dist.{name}").setLevel(logging.DEBUG)
+        lines = logging.Handler(logging.DEBUG)
+        lines.addFilter(lambda record, says=says: says in record.getMessage())
+        lines.emit = lambda record, key=key: kept[key].append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger(f"fastpersist_dist.{name}").addHandler(lines)
     if args.get("msc"):
         from megatron.core.msc_utils import MultiStorageClientFeature
 
         MultiStorageClientFeature.enable()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    result: dict = {"rank": rank, "node": os.environ["GROUP_RANK"], "warnings": warnings, "drained": drained}
+    result: dict = {"rank": rank, "node": os.environ["GROUP_RANK"], "warnings": warnings, "drained": drained, **kept}
     if action == "save":
         result["saves"] = [_save(rank, world, one) for one in args["saves"]]
     elif "loads" in args:  # several loads in turn, each with its own options over the common ones

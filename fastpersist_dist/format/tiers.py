@@ -81,8 +81,12 @@ class TierManifest:
         return next(n for n, ranks in enumerate(self.nodes) if rank in ranks)
 
     def files_of_node(self, node: int) -> list[str]:
-        """The data files the ranks of ``node`` wrote (what its local tier holds)."""
+        """The data files the ranks of ``node`` wrote."""
         return sorted(f for f, r in self.files.items() if r in self.nodes[node])
+
+    def files_kept_on(self, node: int) -> list[str]:
+        """The data files ``node``'s local tier holds: its ranks' and the replicas it keeps for other nodes."""
+        return sorted(f for f in self.files if node in self.holders(f))
 
     def with_state(self, state: str) -> "TierManifest":
         return replace(self, state=state)

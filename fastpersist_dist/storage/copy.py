@@ -40,6 +40,7 @@ from ..format.checksum import digest_bytes
 from ..format.records import ShardRecord
 from ..util.errors import CorruptCheckpointError, FastPersistError
 from .files import TMP_SUFFIX, fsync_path, unlink_quietly
+from .recycle import take
 from .shared_dir import on_memory_filesystem
 
 CHUNK_BYTES = 64 << 20  # moved per step (a whole number of checksum blocks, at least one)
@@ -141,23 +142,31 @@ class AtomicFile:
 
     With O_DIRECT (see the module) the bytes pass through a page-aligned
     staging buffer, written in whole aligned blocks; the last one is padded and
-    the file cut back to its length at :meth:`commit`.
+    the file cut back to its length at :meth:`commit`. On an in-memory
+    filesystem, ``reuse_from`` (a pool of retired files, ``storage/recycle.py``)
+    gives a file to overwrite in place where it holds one (:attr:`reused`),
+    also cut to its length at :meth:`commit`.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, reuse_from: Optional[str] = None):
         self.path = path
         self._tmp = f"{path}.{os.getpid()}{TMP_SUFFIX}"  # several processes of a node may fetch one file
         self._fd: Optional[int] = None
         self._staging: Optional[mmap.mmap] = None
         self._staged = 0  # bytes in the staging buffer, not yet written
         self._length = 0  # bytes given to write()
+        self.reused = False
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        if hasattr(os, "O_DIRECT") and not on_memory_filesystem(os.path.dirname(path) or "."):
-            try:
-                self._fd = os.open(self._tmp, flags | os.O_DIRECT, 0o644)
-                self._staging = mmap.mmap(-1, STAGING_BYTES)
-            except OSError:  # the filesystem refuses O_DIRECT: through the page cache
-                self._fd = None
+        if not on_memory_filesystem(os.path.dirname(path) or "."):
+            if hasattr(os, "O_DIRECT"):
+                try:
+                    self._fd = os.open(self._tmp, flags | os.O_DIRECT, 0o644)
+                    self._staging = mmap.mmap(-1, STAGING_BYTES)
+                except OSError:  # the filesystem refuses O_DIRECT: through the page cache
+                    self._fd = None
+        elif reuse_from is not None and take(reuse_from, self._tmp):
+            self.reused = True
+            flags &= ~os.O_TRUNC  # its pages are written again, not freed and allocated again
         if self._fd is None:
             self._fd = os.open(self._tmp, flags, 0o644)
 
@@ -199,6 +208,7 @@ class AtomicFile:
             self._staging[self._staged : padded] = bytes(padded - self._staged)
             self._staged = padded
             self._flush(padded)
+        if self._staging is not None or self.reused:  # the last block's padding, or the longer file's tail
             os.ftruncate(self._fd, self._length)
         os.fsync(self._fd)
         self._close()

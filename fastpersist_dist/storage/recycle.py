@@ -6,9 +6,11 @@ an old one frees every page: both are kernel work on the cores the training
 uses, which overwriting a file in place does not do (docs/tiers.md, the local
 tier's write path, has the benchmark's figures). A node's local tier in memory retires a checkpoint's copy at every save beyond
 ``keep_local``; its data files are moved into :data:`POOL_DIR` (a rename)
-instead of removed, at most as many as the node's ranks write per save, and
-each rank's next write takes one (a rename again: one taker per file),
-overwrites it and cuts it to its new length (``storage/writer.py``). A file
+instead of removed, at most as many as a copy of the node holds (its ranks'
+files and the replicas it keeps for other nodes), and each rank's next write
+(``storage/writer.py``) and each replica received (``storage/copy.py``'s
+``AtomicFile``) takes one (a rename again: one taker per file), overwrites it
+and cuts it to its new length. A file
 in the pool belongs to no checkpoint: nothing reads it, and the process that
 retired it removes it when it exits (:func:`empty_pools`, after its
 background work).

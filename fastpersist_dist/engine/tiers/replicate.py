@@ -61,6 +61,7 @@ class Replication(RankPart):
     """One rank's part of replicating one checkpoint."""
 
     group: dist.ProcessGroup
+    recycled: Optional[str]  # where retired data files wait to be overwritten (storage/recycle.py), if anywhere
 
 
 class _Broken:
@@ -186,8 +187,9 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
 
     error: Optional[Exception] = None
     out: Optional[AtomicFile] = None
+    reused = False
     try:
-        out = AtomicFile(path)
+        out = AtomicFile(path, job.recycled)
     except OSError as e:  # e.g. the local tier is full or gone: received all the same, and dropped
         error = e
     try:
@@ -209,6 +211,7 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
         if out is not None:
             try:
                 out.commit()
+                reused = out.reused
             except OSError as e:
                 error = e
                 out.abandon()
@@ -220,4 +223,6 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
         logger.error("fastpersist: %s: the replica of %s from rank %d was not kept: %s", who, t.data_file, t.src,
                      error)
         return False
+    logger.debug("fastpersist: %s: received the replica of %s from rank %d, every block checked%s", who, t.data_file,
+                 t.src, ", over a retired file" if reused else "")
     return True

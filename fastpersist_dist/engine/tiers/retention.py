@@ -90,7 +90,8 @@ class Retention:
 def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = None, limit: int = 0,
            replicating: frozenset[str] = frozenset()) -> None:
     """Remove this node's local copies that are no longer kept (see the module); ``recycled``, ``limit``: where
-    their data files go instead, and how many (the node's ranks: one per writer of the next save);
+    their data files go instead, and how many (as many as a copy of this node holds: one per writer of the next
+    save and per replica it receives);
     ``replicating``: the ids of the checkpoints whose replication this process has not finished."""
     copies = []
     for name in os.listdir(config.local_dir):

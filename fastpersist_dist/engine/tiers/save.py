@@ -62,8 +62,9 @@ class TieredSave:
     replicas: tuple[tuple[int, ...], ...]  # node -> the nodes that keep copies of its files
     group: Optional[dist.ProcessGroup]  # the replication group, where there are replicas
     rank: int
-    # Where the node's retired data files wait to be overwritten (storage/recycle.py): a local tier in memory whose
-    # drain does not follow the write (it follows a file's length, which an overwritten file has from the start).
+    # Where the node's retired data files wait to be overwritten by its writes and the replicas it receives
+    # (storage/recycle.py): a local tier in memory whose drain does not follow the write (it follows a file's
+    # length, which an overwritten file has from the start).
     recycled: Optional[str]
 
     @classmethod
@@ -181,9 +182,10 @@ class TieredSave:
             logger.info("fastpersist: %s committed to the local tiers of %d nodes (%s)%s", self.checkpoint_dir,
                         len(self.topology.nodes), self.local, self._next_steps())
         if self.group is not None:
-            replicator().submit(Replication(manifest, self.local, self.rank, describe_node(), self.group))
-        if self.node_leader:
-            retainer().submit(Retention(self.config, manifest, self.recycled, len(self.topology.nodes[self.node])))
+            replicator().submit(Replication(manifest, self.local, self.rank, describe_node(), self.group,
+                                            self.recycled))
+        if self.node_leader:  # a retired copy's data files, for this node's next writes and replicas received
+            retainer().submit(Retention(self.config, manifest, self.recycled, len(manifest.files_kept_on(self.node))))
         return manifest
 
     def _next_steps(self) -> str:
