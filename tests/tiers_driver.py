@@ -16,8 +16,9 @@ namespace of its own where the same local-tier path is that node's own directory
   (``fetched``: the log lines).
 
 ``msc``: turn on megatron-core's multi-storage-client support (``msc://`` checkpoint paths, ``--enable-msc``).
-Prints one line ``RESULT {...}``: what this rank saw, the warnings and errors it logged, and how its drain
-copied its data files (``drained``).
+Prints one line ``RESULT {...}``: what this rank saw, the warnings and errors it logged, how its drain copied
+its data files (``drained``), its writes (``wrote``), the replicas it received (``received``) and the advice it
+gave about a local tier in memory (``advice``).
 """
 
 from __future__ import annotations
@@ -165,15 +166,13 @@ def main(action: str, args: dict) -> dict:
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("fastpersist_dist").addHandler(handler)
-    drained: list[str] = []  # this rank's drain saying how it copied its data file
-    logging.getLogger("fastpersist_dist.engine.tiers.drain").setLevel(logging.DEBUG)
-    copies = logging.Handler(logging.DEBUG)
-    copies.addFilter(lambda record: record.getMessage().endswith("every block checked"))
-    copies.emit = lambda record: drained.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("fastpersist_dist.engine.tiers.drain").addHandler(copies)
-    kept: dict[str, list[str]] = {"wrote": [], "received": []}  # this rank's writes and replicas received
-    for name, key, says in (("storage.writer", "wrote", " wrote "),
-                            ("engine.tiers.replicate", "received", " received the replica ")):
+    # What this rank logged of: its drain copying its data file, its writes, the replicas it received, and the
+    # advice about a local tier in memory without huge pages
+    kept: dict[str, list[str]] = {"drained": [], "wrote": [], "received": [], "advice": []}
+    for name, key, says in (("engine.tiers.drain", "drained", "every block checked"),
+                            ("storage.writer", "wrote", " wrote "),
+                            ("engine.tiers.replicate", "received", " received the replica "),
+                            ("engine.tiers.save", "advice", " without huge pages")):
         logging.getLogger(f"fastpersist_dist.{name}").setLevel(logging.DEBUG)
         lines = logging.Handler(logging.DEBUG)
         lines.addFilter(lambda record, says=says: says in record.getMessage())
@@ -185,7 +184,7 @@ def main(action: str, args: dict) -> dict:
         MultiStorageClientFeature.enable()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    result: dict = {"rank": rank, "node": os.environ["GROUP_RANK"], "warnings": warnings, "drained": drained, **kept}
+    result: dict = {"rank": rank, "node": os.environ["GROUP_RANK"], "warnings": warnings, **kept}
     if action == "save":
         result["saves"] = [_save(rank, world, one) for one in args["saves"]]
     elif "loads" in args:  # several loads in turn, each with its own options over the common ones

@@ -35,7 +35,7 @@ from ...plan.replicas import replica_nodes
 from ...storage.files import atomic_write, fsync_path, unlink_quietly
 from ...storage.persistent import persistent_dir, write_at_once
 from ...storage.recycle import pool_dir
-from ...storage.shared_dir import on_memory_filesystem
+from ...storage.shared_dir import on_memory_filesystem, small_pages_in_memory
 from ...storage.writer import settling_bytes
 from ...util.config import TierConfig, WriteConfig
 from ...util.errors import FastPersistError, SaveFailedError
@@ -81,7 +81,10 @@ class TieredSave:
         os.makedirs(local, exist_ok=True)
         follows = config.persistent and config.drain_while_writing
         recycled = pool_dir(config.local_dir) if on_memory_filesystem(config.local_dir) and not follows else None
-        return cls(config, checkpoint_dir, local, topo, replicas, group, dist.get_rank(), recycled)
+        save = cls(config, checkpoint_dir, local, topo, replicas, group, dist.get_rank(), recycled)
+        if save.node_leader:
+            _advise_huge_pages(config.local_dir)
+        return save
 
     @property
     def node(self) -> int:
@@ -192,3 +195,19 @@ class TieredSave:
         steps = [f"replicating it to {self.config.replicas} other nodes"] if self.group is not None else []
         steps += ["copying it to the persistent tier"] if self.config.persistent else []
         return f"; {' and '.join(steps)} in the background" if steps else " (a local checkpoint only)"
+
+
+_advised: set[str] = set()  # the local tiers this process has said it of
+
+
+def _advise_huge_pages(local_dir: str) -> None:
+    """Say once, on a node's first rank, where its local tier in memory allocates its pages 4 KiB at a time."""
+    if local_dir in _advised:
+        return
+    _advised.add(local_dir)
+    mount = small_pages_in_memory(local_dir)
+    if mount is not None:
+        logger.info("fastpersist: %s: the local tier %s is on a tmpfs (mounted at %s) without huge pages: every "
+                    "4 KiB written there is a page allocated, and freed again with its copy, on the cores training "
+                    "uses; a tmpfs mounted with huge=within_size does it 2 MiB at a time (docs/tiers.md, a local "
+                    "tier in memory)", describe_node(), local_dir, mount.point)
