@@ -154,7 +154,7 @@ def small_fs(root: None, tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def shm_dir() -> Iterator[str]:
     """A fresh directory on the tmpfs at /dev/shm (memory as a filesystem), removed afterwards."""
-    from fastpersist_dist.storage.shared_dir import on_memory_filesystem
+    from fastpersist_dist.storage.mounts import on_memory_filesystem
 
     need("tmpfs", "" if on_memory_filesystem("/dev/shm") else "no tmpfs at /dev/shm")
     path = f"/dev/shm/fastpersist-test-{uuid.uuid4().hex}"

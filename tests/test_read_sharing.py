@@ -15,7 +15,7 @@ from fastpersist_dist import FastPersistLoadStrategy
 from fastpersist_dist.engine.read_exchange import sharing_group
 from fastpersist_dist.format.records import data_file_name
 from fastpersist_dist.plan.read_sharing import Need, Transfer, plan_recovery, plan_sharing
-from fastpersist_dist.storage.shared_dir import on_memory_filesystem
+from fastpersist_dist.storage.mounts import on_memory_filesystem
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.util.errors import CorruptCheckpointError, FastPersistError
 

@@ -21,7 +21,7 @@ from fastpersist_dist.format.layout import Extent
 from fastpersist_dist.format.records import KIND_TENSOR, data_file_name
 from fastpersist_dist.storage.deepspeed_ops import aio_resources
 from fastpersist_dist.storage.reader import MAX_READ_GAP, ShardReader
-from fastpersist_dist.storage.shared_dir import filesystem_type
+from fastpersist_dist.storage.mounts import filesystem_type
 from fastpersist_dist.storage.stream_reader import (
     ALIGN,
     BoxRead,

@@ -23,7 +23,7 @@ from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import PENDING_DIR, TIERS_FILE, local_copy_dir
 from fastpersist_dist.storage.files import TMP_SUFFIX
 from fastpersist_dist.storage.persistent import persistent_dir
-from fastpersist_dist.storage.shared_dir import small_pages_in_memory
+from fastpersist_dist.storage.mounts import small_pages_in_memory
 from fastpersist_dist.tools.inspect import format_report, inspect_checkpoint
 
 from .helpers import flip_bit
@@ -146,11 +146,11 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(memory_cluster
     made before the next: each node also keeps the other's file (inspect shows it, from the persistent directory
     and from a node's copy); from the third save on each rank's write overwrites a file of the copy its node
     retired, and so do the replicas received (see below); each node says once whether its tier allocates its
-    pages 4 KiB at a time (a tmpfs without huge pages); node 1 replaced by a fresh machine loads its share of
-    the last checkpoint from node 0's replica (the persistent tier has no data file to read; the reads unshared,
-    as on any memory tier, but for these), also where the load's group is not the whole job (a parallel_group of
-    each node's ranks, as a job of more than 64 ranks has none by default); with share_reads="off" (loads
-    independent of each other) node 1 is refused, saying so."""
+    pages one base page at a time (a tmpfs without huge pages); node 1 replaced by a fresh machine loads its
+    share of the last checkpoint from node 0's replica (the persistent tier has no data file to read; the reads
+    unshared, as on any memory tier, but for these), also where the load's group is not the whole job (a
+    parallel_group of each node's ranks, as a job of more than 64 ranks has none by default); with
+    share_reads="off" (loads independent of each other) node 1 is refused, saying so."""
     cluster = memory_cluster
     saves = [{"name": f"s{i}", "step": i, "replicas": 1, "persistent": False, "keep_local": 1, "wait_copies": True}
              for i in range(5)]
@@ -164,7 +164,7 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(memory_cluster
         # one of the refilled pool. So a replica finds the pool empty only if the one before came after the
         # retiring (leaving the pool one file short) and it comes before: never twice in a row.
         assert all(received[k] or received[k + 1] for k in range(1, 4)), r
-        # each node's rank says once, of all five saves, whether its tier allocates its pages 4 KiB at a time
+        # each node's rank says once, of all five saves, where its tier allocates its pages one base page at a time
         assert len(r["advice"]) == (small_pages_in_memory(cluster["nodes"][int(r["node"])]) is not None), r
     for node in (0, 1):
         assert len(_data_files(_node_copy(cluster, node, "s4"))) == 2, os.listdir(_node_copy(cluster, node, "s4"))

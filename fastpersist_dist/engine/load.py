@@ -41,7 +41,7 @@ from ..format.records import INDEX_FILE, KIND_OBJECT, KIND_TENSOR, CheckpointInd
 from ..format.tiers import TierManifest
 from ..storage.deepspeed_ops import aio_resources
 from ..storage.reader import ShardReader
-from ..storage.shared_dir import on_memory_filesystem
+from ..storage.mounts import on_memory_filesystem
 from ..storage.stream_reader import BoxRead, StreamReader, open_stream
 from ..util import progress
 from ..util.config import ReadConfig

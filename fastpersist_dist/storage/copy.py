@@ -40,8 +40,8 @@ from ..format.checksum import digest_bytes
 from ..format.records import ShardRecord
 from ..util.errors import CorruptCheckpointError, FastPersistError
 from .files import TMP_SUFFIX, fsync_path, unlink_quietly
+from .mounts import on_memory_filesystem
 from .recycle import take
-from .shared_dir import on_memory_filesystem
 
 CHUNK_BYTES = 64 << 20  # moved per step (a whole number of checksum blocks, at least one)
 

@@ -24,7 +24,9 @@ import os
 import socket
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple, Optional
+from typing import Optional
+
+from .mounts import Mount, mounted_filesystem
 
 # Filesystems a single machine mounts: a directory on one is never another machine's.
 LOCAL_FILESYSTEMS = frozenset({
@@ -49,46 +51,6 @@ class DirView:
         return f"{self.fstype} mounted at {self.mount_point} (device {self.device:#x}, inode {self.inode})"
 
 
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash in paths as octal escapes."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
-
-
-class Mount(NamedTuple):
-    """One line of ``/proc/<pid>/mountinfo``: where, which filesystem, and its superblock's options."""
-
-    point: str
-    fstype: str
-    options: tuple[str, ...] = ()  # e.g. ("rw", "size=8g", "huge=within_size")
-
-
-def parse_mountinfo(text: str) -> list[Mount]:
-    """Each mount of ``/proc/<pid>/mountinfo``, in order."""
-    mounts = []
-    for line in text.splitlines():
-        fields = line.split(" ")
-        if " - " not in line or len(fields) < 5:
-            continue
-        after = line.split(" - ", 1)[1].split(" ")
-        mounts.append(Mount(_unescape(fields[4]), after[0], tuple(after[2].split(",")) if len(after) > 2 else ()))
-    return mounts
-
-
-def mount_of(path: str, mounts: list[Mount]) -> Mount:
-    """The mount holding absolute ``path``: the longest mount point above it, the last one listed where several
-    are mounted on the same point (the one on top)."""
-    best = Mount("/", "unknown")
-    best_len = -1
-    for mount in mounts:
-        point = mount.point
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= best_len:
-            best, best_len = mount, len(point)
-    return best
-
-
 @lru_cache(maxsize=1)
 def _machine() -> tuple[str, str]:
     host = socket.gethostname()
@@ -97,62 +59,6 @@ def _machine() -> tuple[str, str]:
             return f.read().strip() or host, host
     except OSError:
         return host, host
-
-
-def mounted_filesystem(path: str) -> Optional[Mount]:
-    """The mount holding ``path`` for this process, or None where mountinfo is unreadable."""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            return mount_of(os.path.realpath(path), parse_mountinfo(f.read()))
-    except OSError:
-        return None
-
-
-# Filesystems whose files are memory: O_DIRECT there is a copy like any other, and plain
-# reads and writes straight from and into the tensors save the bounce through the locked buffer.
-IN_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
-
-
-def filesystem_type(path: str) -> Optional[str]:
-    """Type of the filesystem holding ``path`` (see :func:`mounted_filesystem`), or None if unknown."""
-    found = mounted_filesystem(path)
-    return None if found is None else found.fstype
-
-
-def on_memory_filesystem(path: str) -> bool:
-    """Whether ``path`` is on an in-memory filesystem (tmpfs), where a read or a write is a memory copy."""
-    return filesystem_type(path) in IN_MEMORY_FILESYSTEMS
-
-
-SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
-# tmpfs ``huge=`` modes (and the system-wide "force") under which a file's pages written with write()
-# come 2 MiB at a time ("advise" gives them only to memory mappings that ask with madvise).
-HUGE_WRITES = frozenset({"always", "within_size", "force"})
-
-
-def tmpfs_huge_pages(mount: Mount, shmem_enabled: str = "") -> str:
-    """The ``huge=`` mode of tmpfs ``mount`` ("never" where its options name none), or the system-wide
-    "force" or "deny" of ``shmem_enabled`` (the text of :data:`SHMEM_ENABLED`, the choice in brackets),
-    which override every tmpfs mount."""
-    chosen = next((w[1:-1] for w in shmem_enabled.split() if w.startswith("[") and w.endswith("]")), "")
-    if chosen in ("force", "deny"):
-        return chosen
-    return next((o.split("=", 1)[1] for o in mount.options if o.startswith("huge=")), "never")
-
-
-def small_pages_in_memory(path: str) -> Optional[Mount]:
-    """The tmpfs mount holding ``path`` where its files' pages are allocated and freed 4 KiB at a time (no
-    ``huge=always`` or ``huge=within_size``), else None: writing a file there costs a page allocation per
-    4 KiB, on the cores training uses."""
-    mount = mounted_filesystem(path)
-    if mount is None or mount.fstype != "tmpfs":
-        return None
-    try:
-        with open(SHMEM_ENABLED) as f:
-            system = f.read()
-    except OSError:
-        system = ""
-    return None if tmpfs_huge_pages(mount, system) in HUGE_WRITES else mount
 
 
 def view_of(path: str) -> Optional[DirView]:

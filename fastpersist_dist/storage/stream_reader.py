@@ -32,8 +32,8 @@ from ..format.records import ShardRecord, dtype_from_name
 from ..util.errors import FastPersistError
 from .deepspeed_ops import AioResources
 from .host_copy import copies_on_this_thread
+from .mounts import on_memory_filesystem
 from .reader import MAX_READ_GAP, ShardReader, halves, split_axis
-from .shared_dir import on_memory_filesystem
 
 logger = logging.getLogger(__name__)
 

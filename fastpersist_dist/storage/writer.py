@@ -45,8 +45,8 @@ from ..util.timing import Phases
 from .deepspeed_ops import LockedMemoryError, aio_available, aio_module, aio_resources, ensure_fast_file_writer_usable
 from .host_copy import copies_on_this_thread, copy_to_host
 from .host_staging import Ring, staging_block
+from .mounts import on_memory_filesystem
 from .recycle import take
-from .shared_dir import on_memory_filesystem
 
 logger = logging.getLogger(__name__)
 

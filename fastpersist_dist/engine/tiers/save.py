@@ -35,7 +35,7 @@ from ...plan.replicas import replica_nodes
 from ...storage.files import atomic_write, fsync_path, unlink_quietly
 from ...storage.persistent import persistent_dir, write_at_once
 from ...storage.recycle import pool_dir
-from ...storage.shared_dir import on_memory_filesystem, small_pages_in_memory
+from ...storage.mounts import SHMEM_ENABLED, on_memory_filesystem, small_pages_in_memory
 from ...storage.writer import settling_bytes
 from ...util.config import TierConfig, WriteConfig
 from ...util.errors import FastPersistError, SaveFailedError
@@ -201,13 +201,17 @@ _advised: set[str] = set()  # the local tiers this process has said it of
 
 
 def _advise_huge_pages(local_dir: str) -> None:
-    """Say once, on a node's first rank, where its local tier in memory allocates its pages 4 KiB at a time."""
+    """Say once, on a node's first rank, where its local tier in memory allocates its pages one base page at a
+    time."""
     if local_dir in _advised:
         return
     _advised.add(local_dir)
-    mount = small_pages_in_memory(local_dir)
-    if mount is not None:
-        logger.info("fastpersist: %s: the local tier %s is on a tmpfs (mounted at %s) without huge pages: every "
-                    "4 KiB written there is a page allocated, and freed again with its copy, on the cores training "
-                    "uses; a tmpfs mounted with huge=within_size does it 2 MiB at a time (docs/tiers.md, a local "
-                    "tier in memory)", describe_node(), local_dir, mount.point)
+    found = small_pages_in_memory(local_dir)
+    if found is not None:
+        mount, mode = found
+        logger.info("fastpersist: %s: the local tier %s is on a tmpfs (mounted at %s) without huge pages (%s): "
+                    "every %d KiB written there is a page allocated, and freed again with its copy, on the cores "
+                    "training uses; mounted with huge=within_size, a tmpfs does that a huge page at a time (2 MiB on "
+                    "x86; docs/tiers.md, huge pages for a local tier in memory)", describe_node(), local_dir,
+                    mount.point, f"{SHMEM_ENABLED}: deny" if mode == "deny" else f"huge={mode}",
+                    os.sysconf("SC_PAGE_SIZE") // 1024)
