@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from fastpersist_dist.storage.mounts import filesystem_type
 from fastpersist_dist.tools.bench import training_loop
 from fastpersist_dist.tools.bench.baselines import CHECKSUMMED_BOUND, CONTENDERS
 from fastpersist_dist.tools.bench.gpt_state import GptShape, gpt_sharded_state_dict
@@ -78,6 +79,9 @@ def test_bench_command_tiny(tmp_path):
     assert all(r["save"]["cpu_s_per_gib"] > 0 for r in rows.values())
     assert "CPU s/GiB" in proc.stdout
     assert "reshard" not in rows["device_bound"] and rows["device_bound"]["save"]["x_device"] == 1.0
+    # what holds the directory, beside the figures measured there
+    assert report["filesystem"].startswith(f"{filesystem_type(str(tmp_path))} at ")
+    assert f"in {tmp_path / 'b'} ({report['filesystem']})" in proc.stdout, proc.stdout
     checksummed = rows["device_bound_checksummed"]
     assert "reshard" not in checksummed and checksummed["save"]["x_device"] > 0 and checksummed["load"]["x_device"] > 0
     assert rows["torch_dist"]["save"]["x_torch_dist"] == 1.0 and rows["fastpersist"]["reshard"]["x_torch_dist"] > 0
@@ -233,6 +237,9 @@ def test_bench_train_command_writes_json(tmp_path):
     assert f"each rank loading {restart['loaded_bytes_per_rank'] / 2**30:.3f} GiB" in proc.stdout, proc.stdout
     assert "fastpersist_tiered: local commit" in proc.stdout and "from the persistent tier" in proc.stdout
     assert "on 2 nodes of this machine (replicas=1)" in proc.stdout and ", replicated (each node's" in proc.stdout
+    where = report["filesystems"]
+    assert set(where) == {report["directory"], str(local)} and where[str(local)], where
+    assert f"into {report['directory']} ({where[report['directory']]}), local tier {local} (" in proc.stdout
     assert not list((tmp_path / "persistent").iterdir()) and not list(local.iterdir())  # all removed
     assert not os.path.exists(f"{local}.nodes")
     assert rows["fastpersist"]["call_s"] is None and rows["fastpersist"]["first_call_s"] > 0  # one save: no later call

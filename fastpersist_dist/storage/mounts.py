@@ -94,6 +94,15 @@ def tmpfs_huge_pages(mount: Mount, shmem_enabled: str = "") -> str:
     return next((o.split("=", 1)[1] for o in mount.options if o.startswith("huge=")), "never")
 
 
+def _system_huge_pages() -> str:
+    """The text of :data:`SHMEM_ENABLED` ("" where the kernel has none)."""
+    try:
+        with open(SHMEM_ENABLED) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def small_pages_in_memory(path: str) -> Optional[tuple[Mount, str]]:
     """The tmpfs mount holding ``path`` and its huge-page mode (:func:`tmpfs_huge_pages`) where its files'
     pages are allocated and freed one base page at a time, else None: writing a file there costs a page
@@ -101,10 +110,15 @@ def small_pages_in_memory(path: str) -> Optional[tuple[Mount, str]]:
     mount = mounted_filesystem(path)
     if mount is None or mount.fstype != "tmpfs":
         return None
-    try:
-        with open(SHMEM_ENABLED) as f:
-            system = f.read()
-    except OSError:
-        system = ""
-    mode = tmpfs_huge_pages(mount, system)
+    mode = tmpfs_huge_pages(mount, _system_huge_pages())
     return None if mode in HUGE_WRITES else (mount, mode)
+
+
+def describe_filesystem(path: str) -> str:
+    """What holds ``path``, for a report beside figures measured there: its filesystem type and mount point,
+    and for a tmpfs its huge-page mode (e.g. "tmpfs at /dev/shm, huge=never")."""
+    mount = mounted_filesystem(path)
+    if mount is None:
+        return "unknown"
+    huge = f", huge={tmpfs_huge_pages(mount, _system_huge_pages())}" if mount.fstype == "tmpfs" else ""
+    return f"{mount.fstype} at {mount.point}{huge}"

@@ -41,6 +41,7 @@ from ...engine.writer_process import writer_client
 from ...format.kinds import BY_CONTAINER
 from ...format.records import INDEX_FILE
 from ...storage.deepspeed_ops import aio_resources
+from ...storage.mounts import describe_filesystem
 from ...storage.writer import preload_ops
 from ...util import progress
 from ...util.config import WriteConfig
@@ -354,7 +355,8 @@ def report(cfg: BenchConfig, shape: GptShape, results: list[Result]) -> dict:
     torch_dist_ran = any(name.startswith("torch_dist") for name in cfg.contenders)
     notes = [SHIM_NOTE] if torch_dist_ran and not torch.cuda.is_available() else []
     return {"config": asdict(cfg), "bytes": nbytes, "hidden": shape.hidden, "layers": shape.layers,
-            "load_cache": "dropped (posix_fadvise DONTNEED)", "results": rows, "notes": notes}
+            "filesystem": describe_filesystem(cfg.directory), "load_cache": "dropped (posix_fadvise DONTNEED)",
+            "results": rows, "notes": notes}
 
 
 def _cell(o: Optional[dict]) -> str:
@@ -370,7 +372,8 @@ def format_table(rep: dict) -> str:
     cfg = rep["config"]
     lines = [
         f"state: {rep['bytes'] / GiB:.2f} GiB (GPT hidden={rep['hidden']}, layers={rep['layers']}), "
-        f"{cfg['ranks']} ranks, TP={cfg['tp']} x DP={cfg['ranks'] // cfg['tp']}, median of {cfg['reps']} "
+        f"{cfg['ranks']} ranks, TP={cfg['tp']} x DP={cfg['ranks'] // cfg['tp']}, in {cfg['directory']} "
+        f"({rep['filesystem']}), median of {cfg['reps']} "
         f"(min..max); saves fsynced; 'load' same sharding, 'reshard' TP splits moved to the other axis; "
         f"page cache {rep['load_cache']}; x dev = device bound time / time, x t_dist = torch_dist time / time; "
         f"CPU s/GiB = CPU seconds of a save (all ranks, threads, writer processes) per GiB",

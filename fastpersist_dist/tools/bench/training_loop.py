@@ -66,6 +66,7 @@ from ...engine.writer_process import writer_client
 from ...format.tiers import DURABLE, TierManifest, local_copy_dir
 from ...integrations.megatron_lm_queue import queue_class
 from ...storage.host_copy import copy_to_host
+from ...storage.mounts import describe_filesystem
 from ...storage.persistent import PosixDir, is_object_store
 from ...storage.shared_memory import SharedBuffer
 from ...strategies.fastpersist_load import FastPersistLoadStrategy
@@ -767,6 +768,7 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory:
             and not (cfg.persistent is not None and is_object_store(cfg.persistent)),
             "compute_ms": cfg.step_compute_ms, "matmuls_per_step": matmuls, "save_steps": cfg.save_steps,
             "reps": cfg.bench.reps, "directory": cfg.bench.directory,
+            "filesystems": {path: describe_filesystem(path) for path in (cfg.bench.directory, cfg.local_dir) if path},
             "copy_floor_bytes": floor.nbytes if floor else None, "copy_floor_s": floor.seconds if floor else None,
             "rows": rows, "notes": notes}
 
@@ -781,6 +783,13 @@ def _compute_words(rep: dict) -> str:
     return f" plus {rep['matmuls_per_step']} matmuls (calibrated to {rep['compute_ms']:g} ms on the idle machine)"
 
 
+def _where(rep: dict) -> str:
+    """The benchmark's directory and the tiered contenders' local tier, each with what holds it."""
+    fs = rep["filesystems"]
+    local = f", local tier {rep['local_dir']} ({fs[rep['local_dir']]})" if rep["local_dir"] else ""
+    return f"{rep['directory']} ({fs[rep['directory']]}){local}"
+
+
 def _node_words(rep: dict) -> str:
     return f" on {rep['nodes']} nodes of this machine (replicas={rep['replicas']})" if rep["nodes"] > 1 else ""
 
@@ -790,7 +799,7 @@ def format_loop_table(rep: dict) -> str:
     lines = [
         f"training loop: {rep['ranks']} ranks{_node_words(rep)}, TP={rep['tp']}, {rep['bytes'] / GiB:.2f} GiB state rewritten in place "
         f"every step{_compute_words(rep)}, {rep['steps']} steps, async checkpoints at steps {rep['save_steps']} "
-        f"into {rep['directory']}; "
+        f"into {_where(rep)}; "
         f"median of {rep['reps']} (slowest rank); 'call' = the save call blocking the loop, first of the process "
         f"apart; 'sync' = a synchronous save of the same state by the same backend; 'durable' = call to commit, "
         f"seen by the next step's finalize; 'overlap' = saves called while an earlier one was still in flight (they "
