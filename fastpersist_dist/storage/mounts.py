@@ -103,15 +103,19 @@ def _system_huge_pages() -> str:
         return ""
 
 
+def _tmpfs_mode(mount: Mount) -> Optional[str]:
+    """The huge-page mode of ``mount`` as this kernel applies it (:func:`tmpfs_huge_pages`); None where it is not
+    a tmpfs."""
+    return tmpfs_huge_pages(mount, _system_huge_pages()) if mount.fstype == "tmpfs" else None
+
+
 def small_pages_in_memory(path: str) -> Optional[tuple[Mount, str]]:
     """The tmpfs mount holding ``path`` and its huge-page mode (:func:`tmpfs_huge_pages`) where its files'
     pages are allocated and freed one base page at a time, else None: writing a file there costs a page
     allocation per base page (4 KiB on x86), on the cores training uses."""
     mount = mounted_filesystem(path)
-    if mount is None or mount.fstype != "tmpfs":
-        return None
-    mode = tmpfs_huge_pages(mount, _system_huge_pages())
-    return None if mode in HUGE_WRITES else (mount, mode)
+    mode = None if mount is None else _tmpfs_mode(mount)
+    return None if mode is None or mode in HUGE_WRITES else (mount, mode)
 
 
 def describe_filesystem(path: str) -> str:
@@ -120,5 +124,5 @@ def describe_filesystem(path: str) -> str:
     mount = mounted_filesystem(path)
     if mount is None:
         return "unknown"
-    huge = f", huge={tmpfs_huge_pages(mount, _system_huge_pages())}" if mount.fstype == "tmpfs" else ""
-    return f"{mount.fstype} at {mount.point}{huge}"
+    mode = _tmpfs_mode(mount)
+    return f"{mount.fstype} at {mount.point}" + ("" if mode is None else f", huge={mode}")
