@@ -146,7 +146,8 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(memory_cluster
     made before the next: each node also keeps the other's file (inspect shows it, from the persistent directory
     and from a node's copy); from the third save on each rank's write overwrites a file of the copy its node
     retired, and so do the replicas received (see below); each node says once whether its tier allocates its
-    pages one base page at a time (a tmpfs without huge pages); node 1 replaced by a fresh machine loads its
+    pages one base page at a time (a tmpfs without huge pages); the nodes renumbered load from their own
+    tiers; node 1 lost, the job on node 0 alone loads from its tier; node 1 replaced by a fresh machine loads its
     share of the last checkpoint from node 0's replica (the persistent tier has no data file to read; the reads
     unshared, as on any memory tier, but for these), also where the load's group is not the whole job (a
     parallel_group of each node's ranks, as a job of more than 64 ranks has none by default); with
@@ -179,13 +180,19 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(memory_cluster
     assert report.ok and report.index == "pending" and len(report.files) == 2, report.problems
     text = format_report(report)
     assert "tiers: replicated" in text and "node 1: ranks 1; replicas on nodes 0" in text, text
-    # where it was saved, the load asks the persistent tier for its manifest and megatron's files only
-    loaded = _load(cluster, "s4", 4, audit=True)
+    # on the machines that saved it, their node numbers swapped (torchrun's rendezvous numbers nodes by address,
+    # and a replaced machine can move the others), the load asks the persistent tier for its manifest and
+    # megatron's files only
+    loaded = _load({**cluster, "nodes": cluster["nodes"][::-1]}, "s4", 4, audit=True)
     assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
     for r in loaded:
         ours = [io for io in r["persistent_io"] if io.startswith("list") or ".fastpersist" in io]
         assert ours == [], r["persistent_io"]
     _wipe(cluster, 1)
+    # node 1 lost and not replaced: the job restarts on node 0 alone, both ranks there reading its copy and replica
+    alone = _load({**cluster, "nodes": cluster["nodes"][:1]}, "s4", 4, per_node=2, audit=True)
+    assert all(r.get("equal") and not r["warnings"] for r in alone), alone
+    assert not any(".fastpersist" in io for r in alone for io in r["persistent_io"]), alone
     ranks = _load(cluster, "s4", 4, loads=[{"audit": True}, {"node_group": True}, {"share_reads": "off"}])
     loaded, node_groups, independent = ([r["loads"][i] for r in ranks] for i in range(3))
     assert all(r.get("equal") for r in loaded + node_groups) and not any(r["warnings"] for r in ranks), ranks
