@@ -27,7 +27,7 @@ if not IS_WRITER:  # a rank's writer process needs none of this (nor megatron-co
     from .compat import ASYNC_SAVE_KWARGS, FullyParallelSaveWrapper
     from .engine.async_queue import AsyncSaveQueue
     from .engine.directory import prepare_checkpoint_dir
-    from .engine.tiers.background import wait_copies
+    from .engine.tiers.background import remove_checkpoint, wait_copies
     from .engine.tiers.state import checkpoint_state, wait_durable
     from .format.records import BACKEND, BACKEND_VERSION
     from .registry import register
@@ -58,6 +58,7 @@ __all__ = [
     "checkpoint_state",
     "prepare_checkpoint_dir",
     "register",
+    "remove_checkpoint",
     "verify_checkpoint",
     "wait_copies",
     "wait_durable",

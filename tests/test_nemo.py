@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import sys
 import types
@@ -30,14 +31,14 @@ import pytest
 import torch
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-from fastpersist_dist import FastPersistSaveStrategy, compat
+from fastpersist_dist import FastPersistSaveStrategy, checkpoint_state, compat, wait_copies, wait_durable
 from fastpersist_dist.format.records import INDEX_FILE
 from fastpersist_dist.integrations import nemo as fastpersist_nemo
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.tools.verify import verify_checkpoint
 
 from .cpu_cuda import stand_in_for_cuda
-from .helpers import NVRX_DIR, megatron_queue, rows_and_replica
+from .helpers import NVRX_DIR, logged, megatron_queue, rows_and_replica
 
 pytestmark = pytest.mark.contract
 
@@ -121,6 +122,51 @@ def test_nemo_checkpoint_io_saves_and_loads_through_fastpersist(nemo, tmp_path, 
     assert backend == checkpoint_format
     report = verify_checkpoint(result["weights"])
     assert report.ok, report.problems
+
+
+def _tiered_through_nemo(rank: int, world: int, root: str) -> dict:
+    """Two tiered saves through NeMo's checkpoint IO, then its strategy giving the first up (``save_top_k``) on
+    every rank, as Lightning calls it; the second loaded back through NeMo."""
+    from lightning.pytorch.plugins.environments import TorchElasticEnvironment
+    from megatron.core import parallel_state
+    from nemo.lightning.io import pl
+    from nemo.lightning.io.pl import MegatronCheckpointIO
+    from nemo.lightning.pytorch.strategies.megatron_strategy import MegatronStrategy
+
+    if not torch.cuda.is_available():
+        stand_in_for_cuda()
+        pl._fix_tensors_device = lambda checkpoint: checkpoint
+    parallel_state.initialize_model_parallel()
+    messages = logged("fastpersist_dist", logging.INFO)
+    first, second = (os.path.join(root, "checkpoints", f"step={step}") for step in (1, 2))
+    fastpersist_nemo.enable(local_dir=os.path.join(root, "local"))
+    try:
+        io = MegatronCheckpointIO(parallel_load=True)
+        io.save_checkpoint(_state(rank, world, empty=False), first)
+        assert wait_durable(os.path.join(first, "weights"), timeout=120)
+        io.save_checkpoint(_state(rank, world, empty=False), second)
+        MegatronStrategy(cluster_environment=TorchElasticEnvironment()).remove_checkpoint(first)
+        assert wait_copies(timeout=120)
+        torch.distributed.barrier()
+        loaded = io.load_checkpoint(second, sharded_state_dict=_state(rank, world, empty=True))
+        expected = _state(rank, world, empty=False)
+        equal = all(torch.equal(loaded[key], expected[key].data) for key in ("w", "b"))
+    finally:
+        fastpersist_nemo.disable()
+    return {"first_left": os.path.exists(first), "second": checkpoint_state(os.path.join(second, "weights")),
+            "equal": equal, "removed": [m.getMessage() for m in messages if m.getMessage().startswith(
+                f"fastpersist: removed {first}, once ")],
+            "nemo_removes_again": MegatronStrategy.remove_checkpoint.__module__ == MegatronStrategy.__module__}
+
+
+def test_tiered_saves_through_nemo_and_its_removal_of_an_older_checkpoint(nemo, tmp_path):
+    """enable(local_dir=...): NeMo's checkpoints are tiered, and the removal of an older one by NeMo's strategy goes
+    through ours on global rank 0 (after the newer one is durable); disable() gives NeMo its own removal back."""
+    first, second = run_ranks(2, _tiered_through_nemo, str(tmp_path))
+    for result in (first, second):
+        assert not result["first_left"] and result["second"] == "durable" and result["equal"], result
+        assert result["nemo_removes_again"], result
+    assert len(first["removed"]) == 1 and not second["removed"], (first, second)
 
 
 def test_disable_gives_nemo_its_own_strategies_back(nemo):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import os
 import uuid
 
 import numpy as np
@@ -36,6 +37,20 @@ def test_files_written_at_once_are_each_whole(home):
         assert where.read(name) == data
     assert sorted(home.names()) == [f"f{i}" for i in range(6)]
     assert sub.names() == ["index"]
+
+
+def test_a_tree_removed_goes_whole_and_leaves_the_directory_beside_it(home):
+    """A checkpoint removed (``remove_checkpoint``): every file under it, at any depth; a directory whose name
+    it begins is untouched; removing it again, or one never made, is no error."""
+    beside = persistent_dir(home.url + "2")
+    write_at_once([(home, "metadata.json", b"{}"), (home.sub("weights"), "__0_0.distcp", b"x" * 70_000),
+                   (home.sub("weights").sub("pending"), "fastpersist_index.json", b"{}"), (beside, "keep", b"k")])
+    home.remove_tree(frozenset({"metadata.json", "fastpersist_index.json"}))
+    assert home.names() == [] and home.sub("weights").names() == [] and not home.sub("weights").sub("pending").names()
+    assert home.local_path is None or not os.path.exists(home.local_path)
+    assert beside.read("keep") == b"k"
+    home.remove_tree()
+    persistent_dir(home.url + "-never").remove_tree()
 
 
 def test_a_failed_write_among_them_is_raised_after_the_others_are_written(tmp_path):

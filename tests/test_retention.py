@@ -7,6 +7,7 @@ overwritten instead.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import textwrap
@@ -35,10 +36,11 @@ pytestmark = pytest.mark.engine
 FILES = {"__0_0.distcp": 0, "__1_0.distcp": 1}
 
 
-def _copy(local_dir: str, home: str, age: int, persistent: bool = True, durable: bool = False
+def _copy(local_dir: str, home: str, age: int, persistent: bool = True, durable: bool = False, held: bool = True
           ) -> tuple[str, TierManifest]:
     """A node's copy of checkpoint ``home`` made ``age`` seconds ago (its manifest, two data files of 1 and 2 MiB),
-    and where ``durable``, the persistent tier's manifest saying so."""
+    and the persistent tier's manifest (``durable`` or local), unless ``held`` is False: the checkpoint was
+    removed from there."""
     manifest = TierManifest(checkpoint_id=os.path.basename(home) * 4, checkpoint_dir=home, local_dir=local_dir,
                             nodes=((0, 1),), files=FILES, index_files=(INDEX_FILE,), index_xxh3_64="0" * 16,
                             state=LOCAL, created=time.time() - age, persistent=persistent)
@@ -49,9 +51,8 @@ def _copy(local_dir: str, home: str, age: int, persistent: bool = True, durable:
             f.write(bytes([i + 1]) * ((i + 1) * MiB))
     with open(os.path.join(copy, TIERS_FILE), "wb") as f:
         f.write(manifest.to_json_bytes())
-    os.makedirs(home, exist_ok=True)
-    if durable:
-        PosixDir(home).write(TIERS_FILE, manifest.with_state(DURABLE).to_json_bytes())
+    if held:
+        PosixDir(home).write(TIERS_FILE, manifest.with_state(DURABLE if durable else LOCAL).to_json_bytes())
     return copy, manifest
 
 
@@ -60,8 +61,15 @@ def _kept(local_dir: str) -> list[str]:
 
 
 def test_the_newest_copies_the_newest_durable_one_those_not_durable_being_replicated_or_read_are_kept(tmp_path):
+    """keep_local=1: every copy but the newest goes, unless it is the newest durable one, not durable yet, being
+    replicated or read; the copy of a checkpoint the persistent tier no longer holds (removed there, overwritten
+    by another save) goes whatever state it had."""
     local, homes = str(tmp_path / "local"), tmp_path / "persistent"
     durable_old, _ = _copy(local, str(homes / "s1"), 60, durable=True)
+    removed, _ = _copy(local, str(homes / "s1r"), 58, held=False)  # removed from the persistent tier, never durable
+    overwritten, replaced = _copy(local, str(homes / "s1o"), 56)
+    newer = dataclasses.replace(replaced, checkpoint_id="0123456789abcdef", state=DURABLE)  # another save's there
+    PosixDir(str(homes / "s1o")).write(TIERS_FILE, newer.to_json_bytes())
     local_only, _ = _copy(local, str(homes / "s2"), 50, persistent=False)
     replicating, queued = _copy(local, str(homes / "s2r"), 45, persistent=False)  # its replicas not sent yet
     durable_newest, _ = _copy(local, str(homes / "s3"), 40, durable=True)
@@ -72,7 +80,7 @@ def test_the_newest_copies_the_newest_durable_one_those_not_durable_being_replic
         retain(TierConfig(local, keep_local=1), manifest, replicating=frozenset({queued.checkpoint_id}))
     kept = [replicating, durable_newest, being_read, draining, current]
     assert _kept(local) == sorted(os.path.basename(p) for p in kept), _kept(local)
-    assert not any(os.path.exists(p) for p in (durable_old, local_only))
+    assert not any(os.path.exists(p) for p in (durable_old, removed, overwritten, local_only))
     retain(TierConfig(local, keep_local=1), manifest)  # the load is over, the replication done
     assert not os.path.exists(being_read) and not os.path.exists(replicating)
 

@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 
 MEGATRON_CORE = "megatron-core"  # the framework whose own names compat's adapters replace (``register``)
 
-# (framework, module, name) -> what the framework had there before the first replace()
-_originals: dict[tuple[str, ModuleType, str], Any] = {}
+# (framework, module or class, name) -> what the framework had there before the first replace()
+_originals: dict[tuple[str, Any, str], Any] = {}
 
 
 class StrategyFactory:
@@ -52,8 +52,9 @@ def factories(strategies: Mapping[str, Any]) -> dict[str, StrategyFactory]:
     return {name: StrategyFactory(name, strategy) for name, strategy in strategies.items()}
 
 
-def replace(framework: str, modules: Sequence[ModuleType], replacements: Mapping[str, Any], mismatch: str) -> None:
-    """Set each name of ``replacements`` in every module; all or nothing: checks every module has every name first.
+def replace(framework: str, modules: Sequence[Any], replacements: Mapping[str, Any], mismatch: str) -> None:
+    """Set each name of ``replacements`` in every module (or class: a method); all or nothing: checks every one
+    has every name first.
 
     ``mismatch`` ends the error raised when a module lacks a name: which
     version of the framework builds its strategies that way.

@@ -39,6 +39,7 @@ from .records import (
 from .torch_container import tensor_container
 
 DCP_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's name
+MEGATRON_CONFIG_FILE = "metadata.json"  # megatron-core's (dist_checkpointing.core.CONFIG_FNAME): backend, version
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 
 from .. import compat
 from ..compat import seams
+from ..engine.tiers.background import remove_checkpoint
 from ..strategies.fastpersist_load import FastPersistLoadStrategy
 from ..strategies.fastpersist_save import FastPersistSaveStrategy
 from ..util.errors import FastPersistError
@@ -43,6 +44,23 @@ SAVE_NAMES = ("get_default_save_sharded_strategy", "TorchDistSaveShardedStrategy
 LOAD_NAMES = ("get_default_load_sharded_strategy",)
 MISMATCH = ("as NeMo 2.0-2.7's MegatronCheckpointIO does (nemo.lightning.io.pl on megatron-core <= 0.18); "
             "NeMo 3 and Megatron-Bridge are not supported")
+STRATEGY_MODULE = "nemo.lightning.pytorch.strategies.megatron_strategy"  # its MegatronStrategy removes checkpoints
+REMOVAL = "remove_checkpoint"
+
+
+def _remove_when_safe(strategy: Any, filepath: Any) -> None:
+    """``MegatronStrategy.remove_checkpoint`` with tiered saves: NeMo's removal of an older checkpoint
+    (``save_top_k``), on global rank 0, handed to :func:`fastpersist_dist.remove_checkpoint`, which removes it
+    once the checkpoints saved before the call are durable (a link, NeMo's ``-last``, goes at once)."""
+    from nemo.lightning.ckpt_utils import ckpt_to_dir
+
+    ckpt = ckpt_to_dir(filepath)
+    if not strategy.is_global_zero:
+        return
+    if os.path.islink(ckpt):
+        os.unlink(ckpt)
+    else:
+        remove_checkpoint(str(ckpt))
 
 
 def _checkpoint_io_module(name: str) -> Any:
@@ -68,7 +86,9 @@ def enable(checkpoint_format: str = "torch_dist", *, async_save: bool = False, *
         async_save: NeMo's ``async_save=True`` is in use: start the rank's writer
             process now (its aio handle and locked buffer), not inside the first
             checkpoint's write.
-        knobs: :class:`FastPersistSaveStrategy` knobs (``io_buffer_mb`` ...).
+        knobs: :class:`FastPersistSaveStrategy` knobs (``io_buffer_mb`` ...). With tiers (``local_dir``,
+            ``tiers``) NeMo's ``MegatronStrategy`` also removes the checkpoints its ``save_top_k`` gives up
+            through :func:`fastpersist_dist.remove_checkpoint`: never before the newer ones are durable.
 
     Loads verify checksums through our loader in both formats: NeMo's
     ``parallel_load=True`` hands it ours, and otherwise megatron-core's default
@@ -83,11 +103,18 @@ def enable(checkpoint_format: str = "torch_dist", *, async_save: bool = False, *
     replacements = {**seams.factories({**dict.fromkeys(SAVE_NAMES, save_strategy),
                                        **dict.fromkeys(LOAD_NAMES, load_strategy)}),
                     compat.WRAPPER_SEAM: compat.FullyParallelSaveWrapper}
+    seams.restore(FRAMEWORK)  # each call starts from NeMo's own names
     seams.replace(FRAMEWORK, modules, replacements, MISMATCH)
+    if save_strategy.tiers is not None:
+        megatron_strategy = _checkpoint_io_module(STRATEGY_MODULE).MegatronStrategy
+        seams.replace(FRAMEWORK, [megatron_strategy], {REMOVAL: _remove_when_safe}, MISMATCH)
     (logger.info if os.environ.get("RANK", "0") == "0" else logger.debug)(
         "fastpersist: NeMo checkpoints (%s) now save with FastPersistSaveStrategy(%r) and load with "
-        "FastPersistLoadStrategy (checksums verified) where NeMo asks for a strategy",
+        "FastPersistLoadStrategy (checksums verified) where NeMo asks for a strategy%s",
         ", ".join(CHECKPOINT_IO_MODULES), checkpoint_format,
+        "" if save_strategy.tiers is None else
+        f"; tiered (local tier {save_strategy.tiers.local_dir}): MegatronStrategy removes a checkpoint once the "
+        "checkpoints saved before are durable",
     )
     if async_save:
         save_strategy.load_ops()

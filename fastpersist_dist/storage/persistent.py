@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
@@ -52,6 +53,12 @@ class PersistentDir:
 
     def names(self) -> list[str]:
         """The files directly in this directory."""
+        raise NotImplementedError
+
+    def remove_tree(self, first: frozenset[str] = frozenset()) -> None:
+        """Remove this directory and everything in it (nothing where it is not there): the files named in ``first``
+        (commit markers), wherever they lie in it, before any other, so that a removal cut short leaves nothing
+        that passes for a whole checkpoint."""
         raise NotImplementedError
 
     def put(self, name: str, src: str, spans: list[Span], size: int, who: str) -> float:
@@ -111,6 +118,21 @@ class PosixDir(PersistentDir):
             return [n for n in os.listdir(self.url) if os.path.isfile(os.path.join(self.url, n))]
         except FileNotFoundError:
             return []
+
+    def remove_tree(self, first: frozenset[str] = frozenset()) -> None:
+        if not os.path.lexists(self.url):
+            return
+        if os.path.islink(self.url) or not os.path.isdir(self.url) or os.path.realpath(self.url) == "/":
+            raise FastPersistError(f"{self.url} is not a checkpoint's directory: not removed")
+        try:
+            for parent, _, files in os.walk(self.url):
+                for name in first.intersection(files):
+                    os.unlink(os.path.join(parent, name))
+            shutil.rmtree(self.url)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise FastPersistError(f"removing {self.url} failed: {e}") from e
 
     def put(self, name: str, src: str, spans: list[Span], size: int, who: str) -> float:
         return copy_checked(src, os.path.join(self.url, name), spans, size, who)
@@ -190,6 +212,16 @@ class MscDir(PersistentDir):
         head = f"{self._prefix}/" if self._prefix else ""
         found = self._call("listing", "", lambda: [o.key for o in self._client.list(head)])
         return [k[len(head):] for k in found if k.startswith(head) and "/" not in k[len(head):]]
+
+    def remove_tree(self, first: frozenset[str] = frozenset()) -> None:
+        if not self._prefix:
+            raise FastPersistError(f"{self.url} is a whole store, not a checkpoint's prefix: not removed")
+        head = f"{self._prefix}/"
+        keys = self._call("listing", "", lambda: [o.key for o in self._client.list(head) if o.key.startswith(head)])
+        markers = [k for k in keys if k.rpartition("/")[2] in first]
+        for batch in (markers, [k for k in keys if k.rpartition("/")[2] not in first]):
+            if batch:
+                self._call(f"removing {len(batch)} files ({batch[0]}, ...) under", "", self._client.delete_many, batch)
 
     def put(self, name: str, src: str, spans: list[Span], size: int, who: str) -> float:
         """Boto3 uploads a :class:`CheckedFile`, read in Python threads. Where the profile enables msc's Rust

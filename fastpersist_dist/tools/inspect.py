@@ -24,7 +24,7 @@ from megatron.core.dist_checkpointing.core import maybe_load_config
 from ..engine.index_reader import check_markers, read_unchecked_index
 from ..engine.tiers.state import drained_files, pending_dir, read_manifest
 from ..format.index_pages import PART_FILE_RE
-from ..format.kinds import BACKENDS, BY_CONTAINER, DCP_METADATA_FILE
+from ..format.kinds import BACKENDS, BY_CONTAINER, DCP_METADATA_FILE, MEGATRON_CONFIG_FILE
 from ..format.records import (
     COMMON_FILE,
     INDEX_FILE,
@@ -240,7 +240,7 @@ def _our_files(checkpoint_dir: str, names: list[str]) -> dict[str, int]:
 
 def metadata_backend(checkpoint_dir: str) -> tuple[Optional[str], Optional[int], list[str]]:
     """Backend, version and problems of megatron's metadata.json, read by megatron's own reader."""
-    path = os.path.join(checkpoint_dir, "metadata.json")
+    path = os.path.join(checkpoint_dir, MEGATRON_CONFIG_FILE)
     try:
         config = maybe_load_config(checkpoint_dir)
     except (OSError, ValueError, TypeError) as e:

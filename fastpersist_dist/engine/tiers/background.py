@@ -1,5 +1,6 @@
 """The threads that move tiered checkpoints while training goes on: one replicates, one drains, one removes the
-local copies a node no longer keeps.
+local copies a node no longer keeps, one removes the checkpoints a framework's retention gives up
+(``removal.py``).
 
 Each runs its jobs one after another, in the order of the saves, so a rank's
 part of checkpoint N is done before its part of N+1, on every rank alike (the
@@ -29,9 +30,11 @@ import time
 from concurrent.futures import InvalidStateError
 from typing import Any, Callable, Generic, Optional, TypeVar
 
+from ...storage.persistent import checkpoint_url
 from ...storage.recycle import empty_pools
 from ...util.per_process import PerProcess
 from .drain import Drain, drain
+from .removal import Removal, remove
 from .replicate import Replication, replicate
 from .retention import Retention, retain
 from .topology import release_replication_groups
@@ -50,6 +53,7 @@ class Worker(Generic[J]):
         self._run = run
         self._jobs: queue.Queue[J] = queue.Queue()
         self._open: list[J] = []  # submitted, not finished
+        self.last: Optional[J] = None  # the last job submitted
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -58,6 +62,7 @@ class Worker(Generic[J]):
         _exit_wait_registered.get()  # the exit waits for the copies, then removes the retired files
         with self._lock:
             self._open.append(job)
+            self.last = job
         self._jobs.put(job)
 
     def open_jobs(self) -> list[J]:
@@ -90,9 +95,20 @@ def _retain(job: Retention) -> None:
     retain(job.config, job.current, job.recycled, job.limit, replicating())
 
 
+POLL_S = 0.05  # how often a wait for background jobs looks again
+
+
+def _remove(job: Removal) -> None:
+    """A removal, once the drains queued before it are done (``removal.py``)."""
+    while job.after and any(d is o for o in _drainer.get().open_jobs() for d in job.after):
+        time.sleep(POLL_S)
+    remove(job)
+
+
 _replicator = PerProcess(lambda: Worker("fastpersist-replicate", replicate))
 _drainer = PerProcess(lambda: Worker("fastpersist-drain", drain))
 _retainer = PerProcess(lambda: Worker("fastpersist-retain", _retain))
+_remover = PerProcess(lambda: Worker("fastpersist-remove", _remove))
 replicator: Callable[[], Worker[Replication]] = _replicator.get
 drainer: Callable[[], Worker[Drain]] = _drainer.get
 retainer: Callable[[], Worker[Retention]] = _retainer.get
@@ -108,17 +124,28 @@ def replicating() -> frozenset[str]:
 
 def _workers() -> list[Worker[Any]]:
     """This process's workers made so far."""
-    return [w.get() for w in (_replicator, _drainer, _retainer) if w.made()]
+    return [w.get() for w in (_replicator, _drainer, _retainer, _remover) if w.made()]
+
+
+def remove_checkpoint(path: str) -> None:
+    """Remove the checkpoint directory ``path`` (or a directory holding one, as a NeMo checkpoint holds its
+    ``weights/``), on any filesystem or an ``msc://`` prefix, once that loses no durable checkpoint; returns at
+    once (``removal.py``). Call it on one rank, where a framework's retention removes checkpoints."""
+    drains = _drainer.get() if _drainer.made() else None
+    after = tuple(drains.open_jobs()) if drains is not None else ()
+    newest = drains.last if drains is not None else None
+    _remover.get().submit(Removal(checkpoint_url(path), after, newest, time.monotonic()))
 
 
 def wait_copies(timeout: Optional[float] = None) -> bool:
-    """Wait until this process's replicas, copies to the persistent tier and removals of local copies no longer
-    kept, submitted so far, are done (at most ``timeout`` s); whether they are."""
+    """Wait until this process's replicas, copies to the persistent tier, removals of local copies no longer
+    kept and of checkpoints given up (``remove_checkpoint``), submitted so far, are done (at most ``timeout``
+    s); whether they are."""
     end = None if timeout is None else time.monotonic() + timeout
     while any(w.pending for w in _workers()):
         if end is not None and time.monotonic() > end:
             return False
-        time.sleep(0.05)
+        time.sleep(POLL_S)
     return True
 
 

@@ -8,6 +8,8 @@ loop's finalize, and removing a copy on a disk takes time), except:
 
 * a copy whose checkpoint is not durable yet (persistent checkpoints: it may
   be the only copy of those files), and the copy of the newest durable one;
+  but a copy whose checkpoint the persistent tier no longer holds (removed
+  there, or overwritten by another save) is of no checkpoint: it goes;
 * a copy whose replication has not finished in this process (saves can
   outrun their replicas: the copy is what the node sends, or where it
   receives, once the replication queued before gets to it);
@@ -105,23 +107,34 @@ def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = 
         if manifest is not None:
             copies.append((manifest.created, path, manifest))
     copies.sort(reverse=True)
-    newest_durable = next((p for _, p, m in copies if _durable(m)), None)
+    newest_durable = next((p for _, p, m in copies if _held(m) == DURABLE), None)
     for _, path, manifest in copies[config.keep_local:]:
         if manifest.checkpoint_id == current.checkpoint_id or path == newest_durable or (
-                manifest.checkpoint_id in replicating) or (manifest.persistent and not _durable(manifest)):
+                manifest.checkpoint_id in replicating):
+            continue
+        held = _held(manifest) if manifest.persistent else None
+        if held not in (None, DURABLE, GONE):
             continue
         if _remove_unless_read(path, manifest, recycled, limit):
+            why = {None: "a local checkpoint", DURABLE: "durable",
+                   GONE: "its checkpoint removed from the persistent tier, or overwritten there"}[held]
             logger.info("fastpersist: removed the local copy %s of %s (%s; %d newer copies kept)", path,
-                        manifest.checkpoint_dir, "durable" if manifest.persistent else "a local checkpoint",
-                        config.keep_local)
+                        manifest.checkpoint_dir, why, config.keep_local)
         else:
             logger.debug("fastpersist: the local copy %s is being read: kept for now", path)
 
 
-def _durable(m: TierManifest) -> bool:
-    """Whether the persistent tier holds ``m``'s checkpoint, committed (so a local copy of it is not the only one)."""
+GONE = "gone"  # the persistent tier holds no manifest of the checkpoint: removed there, or overwritten
+UNKNOWN = "unknown"  # the persistent tier cannot be asked now
+
+
+def _held(m: TierManifest) -> str:
+    """How the persistent tier holds ``m``'s checkpoint: its state (``DURABLE``: a local copy is not the only
+    one), ``GONE`` or ``UNKNOWN``."""
     try:
         current = read_manifest(persistent_dir(m.checkpoint_dir))
     except FastPersistError:
-        return False
-    return current is not None and current.checkpoint_id == m.checkpoint_id and current.state == DURABLE
+        return UNKNOWN
+    if current is None or current.checkpoint_id != m.checkpoint_id:
+        return GONE
+    return current.state
