@@ -62,8 +62,9 @@ def _kept(local_dir: str) -> list[str]:
 
 def test_the_newest_copies_the_newest_durable_one_those_not_durable_being_replicated_or_read_are_kept(tmp_path):
     """keep_local=1: every copy but the newest goes, unless it is the newest durable one, not durable yet, being
-    replicated or read; the copy of a checkpoint the persistent tier no longer holds (removed there, overwritten
-    by another save) goes whatever state it had."""
+    replicated or read; the copy of a checkpoint the persistent tier no longer holds (its directory removed,
+    overwritten by another save) goes whatever state it had, but not one whose save has not yet written its
+    manifest there."""
     local, homes = str(tmp_path / "local"), tmp_path / "persistent"
     durable_old, _ = _copy(local, str(homes / "s1"), 60, durable=True)
     removed, _ = _copy(local, str(homes / "s1r"), 58, held=False)  # removed from the persistent tier, never durable
@@ -75,10 +76,12 @@ def test_the_newest_copies_the_newest_durable_one_those_not_durable_being_replic
     durable_newest, _ = _copy(local, str(homes / "s3"), 40, durable=True)
     being_read, _ = _copy(local, str(homes / "s4"), 35, persistent=False)  # kept while a load reads it
     draining, _ = _copy(local, str(homes / "s5"), 30)  # persistent, not durable yet: perhaps the only copy
+    starting, _ = _copy(local, str(homes / "s5s"), 25, held=False)  # its save has not written the manifest there
+    PosixDir(str(homes / "s5s")).write("metadata.json", b"{}")
     current, manifest = _copy(local, str(homes / "s6"), 0)
     with reading(being_read):
         retain(TierConfig(local, keep_local=1), manifest, replicating=frozenset({queued.checkpoint_id}))
-    kept = [replicating, durable_newest, being_read, draining, current]
+    kept = [replicating, durable_newest, being_read, draining, starting, current]
     assert _kept(local) == sorted(os.path.basename(p) for p in kept), _kept(local)
     assert not any(os.path.exists(p) for p in (durable_old, removed, overwritten, local_only))
     retain(TierConfig(local, keep_local=1), manifest)  # the load is over, the replication done

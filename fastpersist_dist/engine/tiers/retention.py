@@ -8,8 +8,9 @@ loop's finalize, and removing a copy on a disk takes time), except:
 
 * a copy whose checkpoint is not durable yet (persistent checkpoints: it may
   be the only copy of those files), and the copy of the newest durable one;
-  but a copy whose checkpoint the persistent tier no longer holds (removed
-  there, or overwritten by another save) is of no checkpoint: it goes;
+  but a copy whose checkpoint the persistent tier no longer holds (its
+  directory removed, or overwritten by another save) is of no checkpoint: it
+  goes (a directory with files and no manifest yet is a save under way: kept);
 * a copy whose replication has not finished in this process (saves can
   outrun their replicas: the copy is what the node sends, or where it
   receives, once the replication queued before gets to it);
@@ -124,17 +125,18 @@ def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = 
             logger.debug("fastpersist: the local copy %s is being read: kept for now", path)
 
 
-GONE = "gone"  # the persistent tier holds no manifest of the checkpoint: removed there, or overwritten
-UNKNOWN = "unknown"  # the persistent tier cannot be asked now
+GONE = "gone"  # the checkpoint's persistent directory is gone (removed), or holds another save's manifest
+UNKNOWN = "unknown"  # the persistent tier cannot be asked now, or its manifest is not written yet
 
 
 def _held(m: TierManifest) -> str:
     """How the persistent tier holds ``m``'s checkpoint: its state (``DURABLE``: a local copy is not the only
     one), ``GONE`` or ``UNKNOWN``."""
     try:
-        current = read_manifest(persistent_dir(m.checkpoint_dir))
+        home = persistent_dir(m.checkpoint_dir)
+        current = read_manifest(home)
+        if current is None:  # removed, or a save that has not written it yet (another job's, into this tier)
+            return UNKNOWN if home.names() else GONE
     except FastPersistError:
         return UNKNOWN
-    if current is None or current.checkpoint_id != m.checkpoint_id:
-        return GONE
-    return current.state
+    return current.state if current.checkpoint_id == m.checkpoint_id else GONE
