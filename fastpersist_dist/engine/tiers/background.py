@@ -130,7 +130,8 @@ def _workers() -> list[Worker[Any]]:
 def remove_checkpoint(path: str) -> None:
     """Remove the checkpoint directory ``path`` (or a directory holding one, as a NeMo checkpoint holds its
     ``weights/``), on any filesystem or an ``msc://`` prefix, once that loses no durable checkpoint; returns at
-    once (``removal.py``). Call it on one rank, where a framework's retention removes checkpoints."""
+    once (``removal.py``). Call it on rank 0, where a framework's retention removes checkpoints: its drain
+    commits each checkpoint on the persistent tier, so when it is done the checkpoint is durable or failed."""
     drains = _drainer.get() if _drainer.made() else None
     after = tuple(drains.open_jobs()) if drains is not None else ()
     newest = drains.last if drains is not None else None
