@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from fastpersist_dist.format.tiers import local_copy_dir
+
 pytestmark = pytest.mark.contract
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,5 +53,11 @@ def test_tiered_example_runs_under_torchrun(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert f"rank 0: {persistent}/step_100 is local right after the save" in proc.stdout
-    assert f"tiered: 2 ranks on 1 node(s) saved {persistent}/step_100 to {local}, now durable" in proc.stdout
-    assert len(os.listdir(local)) == 1  # the node's copy of step_100
+    assert f"tiered: 2 ranks on 1 node(s) saved {persistent}/step_200 to {local}, now durable; " \
+           f"{persistent}/step_100 removed: True" in proc.stdout
+    assert os.listdir(persistent) == ["step_200"]
+    # the node's copy of step_200; step_100's goes with the node's next commit, or went with step_200's if its
+    # removal came first
+    copies = {os.path.basename(local_copy_dir(str(local), str(persistent / s))) for s in ("step_100", "step_200")}
+    assert os.path.basename(local_copy_dir(str(local), str(persistent / "step_200"))) in os.listdir(local)
+    assert set(os.listdir(local)) <= copies, os.listdir(local)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import textwrap
 import time
 
@@ -86,6 +87,22 @@ def test_the_newest_copies_the_newest_durable_one_those_not_durable_being_replic
     assert not any(os.path.exists(p) for p in (durable_old, removed, overwritten, local_only))
     retain(TierConfig(local, keep_local=1), manifest)  # the load is over, the replication done
     assert not os.path.exists(being_read) and not os.path.exists(replicating)
+
+
+def test_a_copy_of_a_removed_checkpoint_goes_even_among_the_newest(tmp_path):
+    """keep_local=3: the copies of checkpoints whose directory was removed from the persistent tier (one saved to
+    it, one local-only: a framework's cleanup of its non-persistent checkpoints) go at once, being of no
+    checkpoint; the others stay."""
+    local, homes = str(tmp_path / "local"), tmp_path / "persistent"
+    removed, _ = _copy(local, str(homes / "s1"), 30, durable=True)
+    removed_local_only, _ = _copy(local, str(homes / "s2"), 20, persistent=False)
+    kept, _ = _copy(local, str(homes / "s3"), 10, durable=True)
+    current, manifest = _copy(local, str(homes / "s4"), 0)
+    for gone in ("s1", "s2"):
+        shutil.rmtree(homes / gone)
+    retain(TierConfig(local, keep_local=3), manifest)
+    assert _kept(local) == sorted(os.path.basename(p) for p in (kept, current)), _kept(local)
+    assert not os.path.exists(removed) and not os.path.exists(removed_local_only)
 
 
 def test_a_retired_copy_in_memory_leaves_its_data_files_for_the_next_writes_to_overwrite(shm_dir, tmp_path):

@@ -10,7 +10,8 @@ loop's finalize, and removing a copy on a disk takes time), except:
   be the only copy of those files), and the copy of the newest durable one;
   but a copy whose checkpoint the persistent tier no longer holds (its
   directory removed, or overwritten by another save) is of no checkpoint: it
-  goes (a directory with files and no manifest yet is a save under way: kept);
+  goes, among the newest ``keep_local`` too (a directory with files and no
+  manifest yet is a save under way: kept);
 * a copy whose replication has not finished in this process (saves can
   outrun their replicas: the copy is what the node sends, or where it
   receives, once the replication queued before gets to it);
@@ -108,19 +109,21 @@ def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = 
         if manifest is not None:
             copies.append((manifest.created, path, manifest))
     copies.sort(reverse=True)
-    newest_durable = next((p for _, p, m in copies if _held(m) == DURABLE), None)
-    for _, path, manifest in copies[config.keep_local:]:
+    held = {path: _held(m) for _, path, m in copies if m.checkpoint_id != current.checkpoint_id}
+    newest_durable = next((p for _, p, _ in copies if held.get(p) == DURABLE), None)
+    for age, (_, path, manifest) in enumerate(copies):
         if manifest.checkpoint_id == current.checkpoint_id or path == newest_durable or (
                 manifest.checkpoint_id in replicating):
             continue
-        held = _held(manifest) if manifest.persistent else None
-        if held not in (None, DURABLE, GONE):
+        if held[path] == GONE:
+            why = "its checkpoint is no longer in the persistent tier: removed there, or overwritten"
+        elif age < config.keep_local or (manifest.persistent and held[path] != DURABLE):
             continue
+        else:
+            why = f"durable; {config.keep_local} newer copies kept" if manifest.persistent else \
+                f"a local checkpoint; {config.keep_local} newer copies kept"
         if _remove_unless_read(path, manifest, recycled, limit):
-            why = {None: "a local checkpoint", DURABLE: "durable",
-                   GONE: "its checkpoint removed from the persistent tier, or overwritten there"}[held]
-            logger.info("fastpersist: removed the local copy %s of %s (%s; %d newer copies kept)", path,
-                        manifest.checkpoint_dir, why, config.keep_local)
+            logger.info("fastpersist: removed the local copy %s of %s (%s)", path, manifest.checkpoint_dir, why)
         else:
             logger.debug("fastpersist: the local copy %s is being read: kept for now", path)
 
