@@ -125,8 +125,8 @@ def test_nemo_checkpoint_io_saves_and_loads_through_fastpersist(nemo, tmp_path, 
 
 
 def _tiered_through_nemo(rank: int, world: int, root: str) -> dict:
-    """Two tiered saves through NeMo's checkpoint IO, then its strategy giving the first up (``save_top_k``) on
-    every rank, as Lightning calls it; the second loaded back through NeMo."""
+    """Two tiered saves through NeMo's checkpoint IO, then its strategy giving the first up (``save_top_k``) and
+    removing a link to the second on every rank, as Lightning calls it; the second loaded back through NeMo."""
     from lightning.pytorch.plugins.environments import TorchElasticEnvironment
     from megatron.core import parallel_state
     from nemo.lightning.io import pl
@@ -145,7 +145,15 @@ def _tiered_through_nemo(rank: int, world: int, root: str) -> dict:
         io.save_checkpoint(_state(rank, world, empty=False), first)
         assert wait_durable(os.path.join(first, "weights"), timeout=120)
         io.save_checkpoint(_state(rank, world, empty=False), second)
-        MegatronStrategy(cluster_environment=TorchElasticEnvironment()).remove_checkpoint(first)
+        last = second + "-last"  # NeMo's save_last="link": a link to the newest checkpoint
+        if rank == 0:
+            os.symlink(second, last)
+        torch.distributed.barrier()
+        strategy = MegatronStrategy(cluster_environment=TorchElasticEnvironment())
+        strategy.remove_checkpoint(first)
+        strategy.remove_checkpoint(last)  # the link goes at once, its target stays
+        torch.distributed.barrier()
+        link_left = os.path.lexists(last)
         assert wait_copies(timeout=120)
         torch.distributed.barrier()
         loaded = io.load_checkpoint(second, sharded_state_dict=_state(rank, world, empty=True))
@@ -153,7 +161,7 @@ def _tiered_through_nemo(rank: int, world: int, root: str) -> dict:
         equal = all(torch.equal(loaded[key], expected[key].data) for key in ("w", "b"))
     finally:
         fastpersist_nemo.disable()
-    return {"first_left": os.path.exists(first), "second": checkpoint_state(os.path.join(second, "weights")),
+    return {"first_left": os.path.exists(first), "link_left": link_left, "second": checkpoint_state(os.path.join(second, "weights")),
             "equal": equal, "removed": [m.getMessage() for m in messages if m.getMessage().startswith(
                 f"fastpersist: removed {first}, once ")],
             "nemo_removes_again": MegatronStrategy.remove_checkpoint.__module__ == MegatronStrategy.__module__}
@@ -165,7 +173,7 @@ def test_tiered_saves_through_nemo_and_its_removal_of_an_older_checkpoint(nemo, 
     first, second = run_ranks(2, _tiered_through_nemo, str(tmp_path))
     for result in (first, second):
         assert not result["first_left"] and result["second"] == "durable" and result["equal"], result
-        assert result["nemo_removes_again"], result
+        assert not result["link_left"] and result["nemo_removes_again"], result
     assert len(first["removed"]) == 1 and not second["removed"], (first, second)
 
 

@@ -15,8 +15,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from ..format.index_pages import PART_FILE_RE
-from ..format.kinds import DCP_METADATA_FILE
-from ..format.records import INDEX_FILE, STATUS_FILE_RE, is_data_file
+from ..format.kinds import MARKERS
+from ..format.records import STATUS_FILE_RE, is_data_file
 from ..storage.files import TMP_SUFFIX, fsync_path, unlink_quietly
 from ..storage.shared_dir import view_of, why_not_shared
 from ..util.errors import SaveFailedError
@@ -86,9 +86,6 @@ def prepare_checkpoint_dir(checkpoint_dir: str, create: bool = True, require_sha
     unusable = check_target_directory(checkpoint_dir)
     not_shared = check_shared_directory(checkpoint_dir, require_shared_dir)
     agreement.agree(failure(unusable or not_shared))
-
-
-MARKERS = (DCP_METADATA_FILE, INDEX_FILE)  # removed first when overwriting, whichever format wrote them
 
 
 def invalidate(checkpoint_dir: str, rewritten: frozenset[str] = frozenset()) -> None:

@@ -92,6 +92,8 @@ TORCH_DIST = CheckpointFormat("torch_dist", "torch_dist", 1, CONTAINER_TORCH_SAV
 FORMATS = {f.name: f for f in (FASTPERSIST, TORCH_DIST)}
 BY_CONTAINER = {f.container: f for f in FORMATS.values()}
 BACKENDS = sorted({(f.backend, f.version) for f in FORMATS.values()})  # what metadata.json may name for ours
+# Each format's commit marker: removed first when a checkpoint is overwritten or removed, whichever format wrote it
+MARKERS = tuple(sorted({f.marker for f in FORMATS.values()}))
 
 
 def checkpoint_format(name: str) -> CheckpointFormat:

@@ -33,8 +33,10 @@ from typing import Any
 
 from ..util.errors import CorruptCheckpointError
 from .checksum import digest_bytes
+from .kinds import MARKERS
 
 TIERS_FILE = "fastpersist_tiers.json"
+TIERED_MARKERS = (TIERS_FILE, *MARKERS)  # what makes a persistent directory a (tiered) checkpoint
 PENDING_DIR = ".fastpersist_pending"  # the index of a checkpoint not durable yet, in the persistent directory
 LOCAL = "local"
 REPLICATED = "replicated"

@@ -55,11 +55,10 @@ def _remove_when_safe(strategy: Any, filepath: Any) -> None:
     from nemo.lightning.ckpt_utils import ckpt_to_dir
 
     ckpt = ckpt_to_dir(filepath)
-    if not strategy.is_global_zero:
-        return
-    if os.path.islink(ckpt):
-        os.unlink(ckpt)
-    else:
+    if os.path.islink(ckpt):  # NeMo's own removal unlinks a link (on global rank 0) and leaves its target
+        megatron_strategy = _checkpoint_io_module(STRATEGY_MODULE).MegatronStrategy
+        seams.original(FRAMEWORK, megatron_strategy, REMOVAL)(strategy, filepath)
+    elif strategy.is_global_zero:
         remove_checkpoint(str(ckpt))
 
 

@@ -26,9 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from ...format.kinds import DCP_METADATA_FILE, MEGATRON_CONFIG_FILE
-from ...format.records import INDEX_FILE
-from ...format.tiers import DURABLE, TIERS_FILE
+from ...format.kinds import MEGATRON_CONFIG_FILE
+from ...format.tiers import DURABLE, TIERED_MARKERS
 from ...storage.persistent import checkpoint_url, persistent_dir
 from ...util.errors import FastPersistError
 from .drain import Drain
@@ -37,7 +36,7 @@ from .state import checkpoint_state
 logger = logging.getLogger(__name__)
 
 # Removed before anything else of a checkpoint: what makes a directory a checkpoint to megatron and to us.
-COMMIT_MARKERS = frozenset({INDEX_FILE, DCP_METADATA_FILE, TIERS_FILE, MEGATRON_CONFIG_FILE})
+COMMIT_MARKERS = frozenset({*TIERED_MARKERS, MEGATRON_CONFIG_FILE})
 
 
 @dataclass(frozen=True)

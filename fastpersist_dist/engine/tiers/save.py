@@ -28,9 +28,9 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from ...format.checksum import digest_bytes
-from ...format.kinds import DCP_METADATA_FILE, CheckpointFormat
+from ...format.kinds import CheckpointFormat
 from ...format.records import INDEX_FILE, ShardRecord
-from ...format.tiers import LOCAL, TIERS_FILE, TierManifest, local_copy_dir
+from ...format.tiers import LOCAL, TIERED_MARKERS, TIERS_FILE, TierManifest, local_copy_dir
 from ...plan.replicas import replica_nodes
 from ...storage.files import atomic_write, fsync_path, unlink_quietly
 from ...storage.persistent import persistent_dir, write_at_once
@@ -103,7 +103,7 @@ class TieredSave:
             invalidate(self.local, rewritten)
         if self.rank == 0:  # one listing (a request to an object store): a new directory has none of them
             home = persistent_dir(self.checkpoint_dir)
-            present = set(home.names()).intersection((TIERS_FILE, INDEX_FILE, DCP_METADATA_FILE))
+            present = set(home.names()).intersection(TIERED_MARKERS)
             for name in sorted(present):
                 home.remove(name)
             if present and home.local_path is not None:
