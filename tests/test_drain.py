@@ -1,4 +1,5 @@
-"""The drain's edges: what rank 0 clears from a persistent directory, and a save that is never committed.
+"""The drain's edges: what rank 0 clears from a persistent directory, a save that is never committed, and a save
+into the directory of a checkpoint still being drained.
 
 Every rank's drain writes into the same directory at once (its data file, its marker); rank 0 also removes
 what an earlier checkpoint of that name left. It must never remove what another rank of this checkpoint is
@@ -9,22 +10,34 @@ finalize never ran removes its copy when the process exits.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import textwrap
 import time
+from concurrent.futures import Future
+from dataclasses import replace
 
 import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
 
-from fastpersist_dist import checkpoint_state
-from fastpersist_dist.engine.tiers.drain import _remove_stale_files
+from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, checkpoint_state, wait_copies, wait_durable
+from fastpersist_dist.format.checksum import digest_bytes
+from fastpersist_dist.engine.tiers.background import drainer
+from fastpersist_dist.engine.tiers.drain import Drain, _committed_index, _remove_stale_files
 from fastpersist_dist.engine.tiers.state import (POLL_OBJECT_STORE_S, POLL_S, drained_marker, failed_marker,
                                                  poll_pauses)
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import LOCAL, TierManifest
 from fastpersist_dist.storage.files import TMP_SUFFIX
 from fastpersist_dist.storage.persistent import PosixDir
+from fastpersist_dist.util.errors import FastPersistError
+from fastpersist_dist.tools.ranks import run_ranks
 
-from .helpers import run_one_rank_script
+from .helpers import empty_like_request, logged, run_one_rank_script
+from .tiers_driver import state
 
 pytestmark = pytest.mark.engine
 
@@ -100,3 +113,78 @@ def test_a_save_never_finalized_leaves_nothing_in_the_persistent_directory(tmp_p
     assert not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX) or is_data_file(n)], os.listdir(ckpt)
     assert checkpoint_state(str(ckpt)) is None
 
+
+
+def _saved_twice_into_one_directory(rank: int, world: int, root: str) -> dict:
+    """Two tiered saves into the same directory, the second while rank 1 has not yet copied its file of the
+    first: a job queued ahead of that copy on rank 1's drain thread holds it until the second save says it waits
+    (or has returned, where it does not)."""
+    ckpt, local = os.path.join(root, "persistent", "latest"), os.path.join(root, "local")
+    records = logged("fastpersist_dist", logging.DEBUG)
+    held: Future = Future()
+    waiting = f"rank {rank} ("
+
+    class Release(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith(f"fastpersist: {waiting}") and f"saving {ckpt} again: waiting" in message:
+                release()
+
+    def release() -> None:
+        if not held.done():
+            held.set_exception(RuntimeError("released"))
+
+    logging.getLogger("fastpersist_dist").addHandler(Release())
+    if rank == 1:
+        drainer().submit(Drain(held, os.path.join(root, "other"), os.path.join(root, "other-local"), rank, "test",
+                               "none", 0.0, None))
+    if rank == 0:
+        os.makedirs(ckpt)
+    dist.barrier()
+    strategy = FastPersistSaveStrategy(local_dir=local, keep_local=2)
+    dist_checkpointing.save(state(rank, world, 1), ckpt, sharded_strategy=strategy)
+    try:
+        dist_checkpointing.save(state(rank, world, 2), ckpt, sharded_strategy=strategy)
+    finally:
+        release()
+    assert wait_durable(ckpt, timeout=120) and wait_copies(timeout=120)
+    dist.barrier()
+    if rank == 0:  # the load below reads the persistent tier only
+        shutil.rmtree(local)
+    dist.barrier()
+    want = state(rank, world, 2)
+    loaded = dist_checkpointing.load({k: empty_like_request(v) for k, v in want.items()}, ckpt,
+                                     sharded_strategy=FastPersistLoadStrategy())
+    messages = [r.getMessage() for r in records]
+    return {"equal": all(torch.equal(loaded[k], v.data) for k, v in want.items()),
+            "waited": any(m.startswith(f"fastpersist: {waiting}") and "again: waiting" in m for m in messages),
+            "problems": [m for r, m in zip(records, messages) if r.levelno >= logging.WARNING],
+            "events": ["local" if "committed to the local tiers" in m else "durable" for m in messages
+                       if m.startswith(f"fastpersist: {ckpt} committed to the local tiers")
+                       or m == f"fastpersist: {ckpt} is durable"]}
+
+
+def test_a_save_into_the_directory_of_a_checkpoint_still_draining_waits_for_its_copies(tmp_path):
+    """Saving into the same directory again (a fixed "latest" directory) while the copies of the checkpoint saved
+    there before are under way: each rank waits for its own before the save touches a file, so the first becomes
+    durable, then the second, which is what the persistent tier holds; nothing is logged as a failure (the drain
+    of the first once read its index from a node copy the second had already removed)."""
+    results = run_ranks(2, _saved_twice_into_one_directory, str(tmp_path))
+    for result in results:
+        assert result["equal"] and result["waited"] and not result["problems"], result
+    assert results[0]["events"] == ["local", "durable", "local", "durable"], results[0]["events"]
+
+
+def test_the_drain_commits_only_the_index_its_local_commit_wrote(tmp_path):
+    """Rank 0's drain takes the index it commits from its node's copy: where another save has rewritten or
+    removed it there, it refuses, naming the file and the checkpoint."""
+    index = tmp_path / INDEX_FILE
+    index.write_bytes(b'{"records": []}')
+    m = _manifest(str(tmp_path / "persistent"), "c1")
+    with pytest.raises(FastPersistError, match=f"{index} is not the index of checkpoint c1 any more"):
+        _committed_index(m, str(tmp_path))
+    ours = replace(m, index_xxh3_64=digest_bytes(index.read_bytes()))
+    assert _committed_index(ours, str(tmp_path)) == {INDEX_FILE: index.read_bytes()}
+    index.unlink()
+    with pytest.raises(FastPersistError, match="cannot read this node's copy of its index"):
+        _committed_index(ours, str(tmp_path))

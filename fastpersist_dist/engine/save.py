@@ -304,9 +304,12 @@ class SaveEngine:
 
         Raises the same ``SaveFailedError`` on every rank if any rank cannot go
         on; nothing on disk is touched before every rank has agreed. A tiered
-        save's directory is each node's own: nothing to compare across ranks.
+        save's directory is each node's own: nothing to compare across ranks;
+        each rank first waits for its copies of the checkpoint saved there before.
         """
         rank = dist.get_rank()
+        if tier is not None:  # before the collectives below: no rank invalidates while another's copies read
+            tier.wait_for_earlier()
         if error is None:  # every rank: a node-local directory may be missing or read-only on one node only
             error = check_target_directory(ckpt)
         # collective: every rank

@@ -96,6 +96,7 @@ def _retain(job: Retention) -> None:
 
 
 POLL_S = 0.05  # how often a wait for background jobs looks again
+SAY_WAITING_AFTER_S = 1.0  # a save that waits this long for the copies of the checkpoint it overwrites says so
 
 
 def _remove(job: Removal) -> None:
@@ -136,6 +137,45 @@ def remove_checkpoint(path: str) -> None:
     after = tuple(drains.open_jobs()) if drains is not None else ()
     newest = drains.last if drains is not None else None
     _remover.get().submit(Removal(checkpoint_url(path), after, newest, time.monotonic()))
+
+
+def _copies_of(checkpoint_dir: str, local: str) -> list[Any]:
+    """This process's replications and committed drains not finished whose checkpoint is ``checkpoint_dir``
+    (a URL) or whose node copy is ``local``."""
+    def same(home: str, copy: str) -> bool:
+        return copy == local or checkpoint_url(home) == checkpoint_dir
+
+    jobs: list[Any] = []
+    if _replicator.made():
+        jobs += [j for j in _replicator.get().open_jobs() if same(j.manifest.checkpoint_dir, j.local)]
+    if _drainer.made():
+        jobs += [j for j in _drainer.get().open_jobs() if j.committed.done() and same(j.checkpoint_dir, j.local)]
+    return jobs
+
+
+def wait_for_earlier_copies(checkpoint_dir: str, local: str, who: str) -> None:
+    """Before a save that overwrites ``checkpoint_dir`` (its node copy ``local``) touches anything: wait until
+    this process's replication and drain of the checkpoint saved there before are done, since the save removes
+    and rewrites the files they read and write. Each rank waits for its own, before the save's first collective,
+    so no rank removes a file another rank's copy still reads. A drain whose save is not committed yet is not
+    waited for: its commit runs on the caller's thread (an async save still writing ``local`` is refused before
+    this)."""
+    checkpoint_dir = checkpoint_url(checkpoint_dir)
+    jobs = _copies_of(checkpoint_dir, local)
+    if not jobs:
+        return
+    start, said = time.monotonic(), False
+    waiting = (f"fastpersist: {who}: saving {checkpoint_dir} again: waiting for this process's copies (replicas, "
+               "the copy to the persistent tier) of the checkpoint saved there before to end first")
+    logger.debug("%s (%d under way)", waiting, len(jobs))
+    while jobs:
+        if not said and time.monotonic() - start >= SAY_WAITING_AFTER_S:
+            logger.info("%s (%d under way)", waiting, len(jobs))
+            said = True
+        time.sleep(POLL_S)
+        jobs = _copies_of(checkpoint_dir, local)
+    (logger.info if said else logger.debug)("fastpersist: %s: waited %.2f s for the copies of the checkpoint saved "
+                                            "in %s before", who, time.monotonic() - start, checkpoint_dir)
 
 
 def wait_copies(timeout: Optional[float] = None) -> bool:

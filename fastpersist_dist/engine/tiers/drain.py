@@ -32,7 +32,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
-from ...format.records import ShardRecord, is_data_file, status_file_name
+from ...format.checksum import digest_bytes
+from ...format.records import INDEX_FILE, ShardRecord, is_data_file, status_file_name
 from ...format.tiers import DURABLE, TierManifest
 from ...storage.copy import PendingCopy, Span, block_layout, block_spans, copy_following
 from ...storage.files import TMP_SUFFIX
@@ -231,9 +232,8 @@ def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Dr
         if retrying(lambda: superseded(m), "reading the state of"):
             return
         time.sleep(next(pauses))
-    for name in m.index_files:  # the format's marker is last among them
-        with open(os.path.join(job.local, name), "rb") as f:
-            data = f.read()
+    index = _committed_index(m, job.local)
+    for name, data in index.items():  # the format's marker is last among them
         retrying(lambda: home.write(name, data), f"committing {name} in")
     if not retrying(lambda: advance(m, DURABLE), "recording the state of"):
         return
@@ -247,6 +247,22 @@ def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Dr
     logger.info("fastpersist: %s is durable: its %d data files (%.3f GiB) copied to the persistent tier and checked, "
                 "its index committed there, %.2f s after its drain started (%.2f GiB/s)", m.checkpoint_dir,
                 len(wanted), nbytes / 2**30, seconds, nbytes / 2**30 / max(seconds, 1e-9))
+
+
+def _committed_index(m: TierManifest, local: str) -> dict[str, bytes]:
+    """The index files of ``m``'s checkpoint from this node's copy ``local``, in commit order; raises where they
+    are not the ones its local commit wrote (its manifest holds the index's digest)."""
+    index = {}
+    for name in m.index_files:
+        try:
+            with open(os.path.join(local, name), "rb") as f:
+                index[name] = f.read()
+        except OSError as e:
+            raise FastPersistError(f"cannot read this node's copy of its index: {e}") from e
+    if digest_bytes(index[INDEX_FILE]) != m.index_xxh3_64:
+        raise FastPersistError(f"{os.path.join(local, INDEX_FILE)} is not the index of checkpoint {m.checkpoint_id} "
+                               "any more: another save rewrote this node's copy")
+    return index
 
 
 def _retrying(step: Callable[[], T], retry_s: float, what: str) -> T:
