@@ -73,26 +73,33 @@ def view_of(path: str) -> Optional[DirView]:
     return DirView(machine, host, fstype, point, st.st_dev, st.st_ino)
 
 
+def same_directory(a: DirView, b: DirView) -> Optional[bool]:
+    """Whether two processes' views of one path are of one directory: True where surely (one machine, one
+    inode), False where surely not, None where only a file written on one side and looked for on the other would
+    tell (a network filesystem on both sides: device numbers differ from client to client, inodes may too)."""
+    if a.machine == b.machine and (a.device, a.inode) == (b.device, b.inode):
+        return True
+    if a.fstype in LOCAL_FILESYSTEMS or b.fstype in LOCAL_FILESYSTEMS:
+        return False
+    if a.machine == b.machine and a.device == b.device:
+        return False  # one mount, another inode
+    return None  # e.g. the same NFS export mounted twice, or on two machines
+
+
 def why_not_shared(mine: Optional[DirView], first: Optional[DirView], rank: int, path: str) -> Optional[str]:
     """Why rank ``rank`` (view ``mine``) does not share directory ``path`` with rank 0 (view ``first``), or None.
 
     None also where a view is missing: the directory checks say why.
     """
-    if mine is None or first is None or rank == 0:
+    if mine is None or first is None or rank == 0 or same_directory(mine, first) is not False:
         return None
     who = f"rank {rank} (host {mine.host})"
     local = [f"{name}'s is on {v.fstype}" for name, v in ((f"rank {rank}", mine), ("rank 0", first))
              if v.fstype in LOCAL_FILESYSTEMS]
     if mine.machine == first.machine:
-        if (mine.device, mine.inode) == (first.device, first.inode):
-            return None
-        if mine.device != first.device and not local:
-            return None  # e.g. the same NFS export mounted twice: device numbers differ, inodes may too
         return (f"{who} sees {path} as a different directory than rank 0 on the same machine: "
                 f"{mine.describe()} against {first.describe()} (another mount namespace, bind mount or "
                 f"container volume?); {_consequence()}")
-    if not local:
-        return None
     return (f"{who} and rank 0 (host {first.host}) are on different machines, and {' and '.join(local)}, "
             f"a filesystem only one machine mounts, so they cannot see one directory {path} "
             f"(rank {rank}: {mine.describe()}; rank 0: {first.describe()}); {_consequence()}")

@@ -46,7 +46,7 @@ from .drain import Drain, Planned
 from .replicate import Replication
 from .retention import Retention
 from .state import pending_dir
-from .topology import Topology, describe_node, replication_group, topology
+from .topology import Topology, check_node_local, describe_node, replication_group, topology
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +72,17 @@ class TieredSave:
         """Collective: this save's copies; this node's copy directory made (every rank, before any check).
 
         Raises ``ValueError`` on every rank alike where there are fewer other
-        nodes than ``replicas``.
+        nodes than ``replicas``, or where two nodes see one ``local_dir``.
         """
         topo = topology()
+        local = local_copy_dir(config.local_dir, checkpoint_dir)
+        try:
+            os.makedirs(local, exist_ok=True)
+        except OSError as e:  # the directory checks before the write say so on every rank alike
+            logger.debug("fastpersist: rank %d cannot create %s: %s", dist.get_rank(), local, e)
+        check_node_local(config.local_dir, topo)
         replicas = replica_nodes(topo.domains, config.replicas) if config.replicas else ()
         group = replication_group() if config.replicas else None
-        local = local_copy_dir(config.local_dir, checkpoint_dir)
-        os.makedirs(local, exist_ok=True)
         follows = config.persistent and config.drain_while_writing
         recycled = pool_dir(config.local_dir) if on_memory_filesystem(config.local_dir) and not follows else None
         save = cls(config, checkpoint_dir, local, topo, replicas, group, dist.get_rank(), recycled)

@@ -10,15 +10,19 @@ ranks; without it every node is a domain of its own.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
+from ...storage.shared_dir import LOCAL_FILESYSTEMS, DirView, view_of
 from ...util.per_process import PerProcess
+
+logger = logging.getLogger(__name__)
 
 FAILURE_DOMAIN_ENV = "FASTPERSIST_FAILURE_DOMAIN"
 # How long a replica transfer waits for its peer: a node that died makes it fail at once (its connections
@@ -84,6 +88,60 @@ def topology() -> Topology:
     if world not in known:
         known[world] = _gather_topology()
     return known[world]
+
+
+_node_local: PerProcess[set[tuple[int, str]]] = PerProcess(set)
+
+
+@dataclass(frozen=True)
+class LocalTierViews:
+    """Each node's view of the local tier (its first rank's), for :func:`check_node_local`. Pure."""
+
+    views: dict[int, DirView]  # node -> view; a node whose view could not be made is left out
+
+    def one_directory(self) -> Optional[tuple[int, int]]:
+        """Two nodes that surely see one directory (one machine, one inode), or None."""
+        seen: dict[tuple[str, int, int], int] = {}
+        for node, view in self.views.items():
+            other = seen.setdefault((view.machine, view.device, view.inode), node)
+            if other != node:
+                return other, node
+        return None
+
+    def network_mounts(self) -> list[str]:
+        """Where two nodes or more may see one directory: a network filesystem on each, mounted apart (only a
+        file written on one and looked for on the other would tell, ``shared_dir.same_directory``); else []."""
+        network = {(v.machine, v.device): v for v in self.views.values() if v.fstype not in LOCAL_FILESYSTEMS}
+        return sorted({f"{v.fstype} at {v.mount_point}" for v in network.values()}) if len(network) > 1 else []
+
+
+def check_node_local(local_dir: str, topo: Topology) -> None:
+    """Collective on first use in a process (per world size and ``local_dir``): each node's view of
+    ``local_dir`` (made on every node before). Raises ``ValueError`` on every rank alike where two nodes see
+    one directory (their first ranks write the same index files into it, and a replica would be kept beside
+    its original); rank 0 warns where they may."""
+    key = (dist.get_world_size(), local_dir)
+    if key in _node_local.get():
+        return
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, view_of(local_dir))
+    # None where a view could not be made: the checks before the write say why
+    tier = LocalTierViews({n: views[ranks[0]] for n, ranks in enumerate(topo.nodes) if views[ranks[0]] is not None})
+    pair = tier.one_directory()
+    if pair is not None:
+        view = tier.views[pair[1]]
+        raise ValueError(
+            f"local_dir {local_dir} is one directory for node {pair[0]} (first rank {topo.nodes[pair[0]][0]}) and "
+            f"node {pair[1]} (first rank {topo.nodes[pair[1]][0]}): {view.describe()} on host {view.host}; a local "
+            "tier must be each node's own storage (its NVMe, its memory); for several nodes on one machine, give "
+            "each node a directory of its own there (docs/tiers.md)")
+    unsure = tier.network_mounts()
+    if unsure and dist.get_rank() == 0:
+        logger.warning("fastpersist: local_dir %s is on a network filesystem on several nodes (%s): if it is one "
+                       "directory for all of them, their copies collide and the tiers bring neither node-local "
+                       "speed nor a copy per node; a local tier is meant to be each node's own storage (its NVMe, "
+                       "its memory)", local_dir, ", ".join(unsure))
+    _node_local.get().add(key)
 
 
 _groups: PerProcess[dict[int, dist.ProcessGroup]] = PerProcess(dict)
