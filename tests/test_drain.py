@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, checkpoint_state, wait_copies, wait_durable
+from fastpersist_dist import (FastPersistLoadStrategy, FastPersistSaveStrategy, checkpoint_state, wait_copies,
+                              wait_durable)
 from fastpersist_dist.format.checksum import digest_bytes
 from fastpersist_dist.engine.tiers.background import drainer
 from fastpersist_dist.engine.tiers.drain import Drain, _committed_index, _remove_stale_files

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 from typing import Any, Optional
 
 import torch.distributed as dist
 
 from ..format.index_pages import PART_FILE_RE
-from ..format.kinds import MARKERS
+from ..format.tiers import DRAINED_PREFIX, PENDING_DIR, TIERED_MARKERS
 from ..format.records import STATUS_FILE_RE, is_data_file
 from ..storage.files import TMP_SUFFIX, fsync_path, unlink_quietly
 from ..storage.shared_dir import view_of, why_not_shared
@@ -91,13 +92,16 @@ def prepare_checkpoint_dir(checkpoint_dir: str, create: bool = True, require_sha
 def invalidate(checkpoint_dir: str, rewritten: frozenset[str] = frozenset()) -> None:
     """Remove the commit markers first, then every stale data, index part, status and temp file (see step 1).
 
-    Data files of both formats go: a stock ``torch_dist`` checkpoint overwritten
-    by us leaves no ``.distcp`` file of its own behind; those named in
-    ``rewritten`` are left to the writers that replace them (``write_rank_file``
-    unlinks its file before writing). ``common.pt`` stays: megatron-core 0.16
-    writes it before the sharded strategy runs.
+    The markers include a tiers manifest: a tiered checkpoint overwritten by a
+    save without tiers must not send a later load to its local copies; the
+    rest of its tiered layout (pending index, drain markers) goes with the
+    stale files. Data files of both formats go: a stock ``torch_dist``
+    checkpoint overwritten by us leaves no ``.distcp`` file of its own behind;
+    those named in ``rewritten`` are left to the writers that replace them
+    (``write_rank_file`` unlinks its file before writing). ``common.pt`` stays:
+    megatron-core 0.16 writes it before the sharded strategy runs.
     """
-    removed = [m for m in MARKERS if os.path.lexists(os.path.join(checkpoint_dir, m))]
+    removed = [m for m in TIERED_MARKERS if os.path.lexists(os.path.join(checkpoint_dir, m))]
     for marker in removed:
         os.unlink(os.path.join(checkpoint_dir, marker))
     if removed:
@@ -106,6 +110,9 @@ def invalidate(checkpoint_dir: str, rewritten: frozenset[str] = frozenset()) -> 
     for name in os.listdir(checkpoint_dir):
         if name in rewritten:
             continue
-        if is_data_file(name) or PART_FILE_RE.match(name) or STATUS_FILE_RE.match(name) or name.endswith(TMP_SUFFIX):
+        if name == PENDING_DIR:
+            shutil.rmtree(os.path.join(checkpoint_dir, name))
+        elif (is_data_file(name) or PART_FILE_RE.match(name) or STATUS_FILE_RE.match(name)
+              or name.endswith(TMP_SUFFIX) or name.startswith(DRAINED_PREFIX)):
             os.unlink(os.path.join(checkpoint_dir, name))
     fsync_path(checkpoint_dir)

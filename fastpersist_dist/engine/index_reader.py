@@ -33,11 +33,16 @@ def read_top(checkpoint_dir: str, who: str) -> Union[PagedIndex, CheckpointIndex
         ) from None
     except OSError as e:
         raise FastPersistError(f"{who}: cannot read {path}: {e}") from e
+    return parse_top_bytes(data, path, who)
+
+
+def parse_top_bytes(data: bytes, where: str, who: str) -> Union[PagedIndex, CheckpointIndex]:
+    """The top level (or whole index) from the bytes of an ``INDEX_FILE`` read from ``where``."""
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         doc = None  # from_json_bytes says what is wrong
-    return parse_top(doc, f"{who}: {path}") if is_paged(doc) else CheckpointIndex.from_json_bytes(data, path)
+    return parse_top(doc, f"{who}: {where}") if is_paged(doc) else CheckpointIndex.from_json_bytes(data, where)
 
 
 def read_index(checkpoint_dir: str, who: str, wants: Optional[dict[str, list[Box]]] = None) -> CheckpointIndex:

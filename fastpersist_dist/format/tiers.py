@@ -38,6 +38,7 @@ from .kinds import MARKERS
 TIERS_FILE = "fastpersist_tiers.json"
 TIERED_MARKERS = (TIERS_FILE, *MARKERS)  # what makes a persistent directory a (tiered) checkpoint
 PENDING_DIR = ".fastpersist_pending"  # the index of a checkpoint not durable yet, in the persistent directory
+DRAINED_PREFIX = ".fastpersist_drained."  # the persistent tier's marker of a data file copied and checked
 LOCAL = "local"
 REPLICATED = "replicated"
 DURABLE = "durable"

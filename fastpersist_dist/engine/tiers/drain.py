@@ -34,13 +34,13 @@ from typing import Callable, Optional, TypeVar
 
 from ...format.checksum import digest_bytes
 from ...format.records import INDEX_FILE, ShardRecord, is_data_file, status_file_name
-from ...format.tiers import DURABLE, TierManifest
+from ...format.tiers import DRAINED_PREFIX, DURABLE, TierManifest
 from ...storage.copy import PendingCopy, Span, block_layout, block_spans, copy_following
 from ...storage.files import TMP_SUFFIX
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
 from ..index_reader import read_index
-from .state import DRAINED_PREFIX, advance, drained_marker, failed_marker, pending_dir, poll_pauses, superseded
+from .state import advance, drained_marker, failed_marker, pending_dir, poll_pauses, superseded
 
 logger = logging.getLogger(__name__)
 

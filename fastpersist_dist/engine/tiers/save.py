@@ -108,7 +108,6 @@ class TieredSave:
         """Before anything is written: each node's copy (its leader), and the persistent directory's commit
         markers (rank 0): an overwritten checkpoint is recognisably incomplete in every tier from here on."""
         if self.node_leader:
-            unlink_quietly(os.path.join(self.local, TIERS_FILE))
             invalidate(self.local, rewritten)
         if self.rank == 0:  # one listing (a request to an object store): a new directory has none of them
             home = persistent_dir(self.checkpoint_dir)

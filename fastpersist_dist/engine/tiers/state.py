@@ -17,13 +17,12 @@ import time
 from typing import Iterator, Optional
 
 from ...format.records import INDEX_FILE
-from ...format.tiers import DURABLE, PENDING_DIR, STATES, TIERS_FILE, TierManifest
+from ...format.tiers import DRAINED_PREFIX, DURABLE, PENDING_DIR, STATES, TIERS_FILE, TierManifest
 from ...storage.persistent import PersistentDir, is_object_store, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
 
 logger = logging.getLogger(__name__)
 
-DRAINED_PREFIX = ".fastpersist_drained."  # the persistent tier's marker of a data file copied and checked
 POLL_S = 0.2  # the longest pause of a wait between its looks at a directory
 POLL_OBJECT_STORE_S = 1.0  # ... at an object store (each look is a request)
 FIRST_POLL_FRACTION = 1 / 16  # a wait's first pause, of the longest
