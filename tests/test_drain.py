@@ -116,10 +116,10 @@ def test_a_save_never_finalized_leaves_nothing_in_the_persistent_directory(tmp_p
 
 
 
-def _saved_twice_into_one_directory(rank: int, world: int, root: str) -> dict:
-    """Two tiered saves into the same directory, the second while rank 1 has not yet copied its file of the
-    first: a job queued ahead of that copy on rank 1's drain thread holds it until the second save says it waits
-    (or has returned, where it does not)."""
+def _saved_twice_into_one_directory(rank: int, world: int, root: str, second: str) -> dict:
+    """A tiered save, then a save into the same directory (tiered or not: ``second``) while rank 1 has not yet
+    copied its file of the first: a job queued ahead of that copy on rank 1's drain thread holds it until the
+    second save says it waits (or has returned, where it does not)."""
     ckpt, local = os.path.join(root, "persistent", "latest"), os.path.join(root, "local")
     records = logged("fastpersist_dist", logging.DEBUG)
     held: Future = Future()
@@ -145,7 +145,8 @@ def _saved_twice_into_one_directory(rank: int, world: int, root: str) -> dict:
     strategy = FastPersistSaveStrategy(local_dir=local, keep_local=2)
     dist_checkpointing.save(state(rank, world, 1), ckpt, sharded_strategy=strategy)
     try:
-        dist_checkpointing.save(state(rank, world, 2), ckpt, sharded_strategy=strategy)
+        dist_checkpointing.save(state(rank, world, 2), ckpt,
+                                sharded_strategy=strategy if second == "tiered" else FastPersistSaveStrategy())
     finally:
         release()
     assert wait_durable(ckpt, timeout=120) and wait_copies(timeout=120)
@@ -165,15 +166,17 @@ def _saved_twice_into_one_directory(rank: int, world: int, root: str) -> dict:
                        or m == f"fastpersist: {ckpt} is durable"]}
 
 
-def test_a_save_into_the_directory_of_a_checkpoint_still_draining_waits_for_its_copies(tmp_path):
-    """Saving into the same directory again (a fixed "latest" directory) while the copies of the checkpoint saved
-    there before are under way: each rank waits for its own before the save touches a file, so the first becomes
-    durable, then the second, which is what the persistent tier holds; nothing is logged as a failure (the drain
-    of the first once read its index from a node copy the second had already removed)."""
-    results = run_ranks(2, _saved_twice_into_one_directory, str(tmp_path))
+@pytest.mark.parametrize("second", ["tiered", "without tiers"])
+def test_a_save_into_the_directory_of_a_checkpoint_still_draining_waits_for_its_copies(tmp_path, second):
+    """Saving into the same directory again (a fixed "latest" directory) while the copies of the tiered checkpoint
+    saved there before are under way: each rank waits for its own before the save touches a file, so the first
+    becomes durable, then the second, which is what the persistent tier holds; nothing is logged as a failure (the
+    drain of the first once read its index from a node copy the second had already removed)."""
+    results = run_ranks(2, _saved_twice_into_one_directory, str(tmp_path), second)
     for result in results:
         assert result["equal"] and result["waited"] and not result["problems"], result
-    assert results[0]["events"] == ["local", "durable", "local", "durable"], results[0]["events"]
+    events = ["local", "durable"] + (["local", "durable"] if second == "tiered" else [])
+    assert results[0]["events"] == events, results[0]["events"]
 
 
 def test_the_drain_commits_only_the_index_its_local_commit_wrote(tmp_path):

@@ -41,7 +41,9 @@ from .commit import finalize_save
 from .directory import check_shared_directory, check_target_directory, invalidate
 from .staging import Lease, SnapshotPool, StagedShard, assign, stage, to_elements
 from .status import write_and_report
+from .tiers.background import wait_for_earlier_copies
 from .tiers.save import TieredSave
+from .tiers.topology import describe_node
 from .writer_process import WriterJob, describe_items, write_in_writer, writer_client
 
 logger = logging.getLogger(__name__)
@@ -304,12 +306,16 @@ class SaveEngine:
 
         Raises the same ``SaveFailedError`` on every rank if any rank cannot go
         on; nothing on disk is touched before every rank has agreed. A tiered
-        save's directory is each node's own: nothing to compare across ranks;
-        each rank first waits for its copies of the checkpoint saved there before.
+        save's directory is each node's own: nothing to compare across ranks.
+        Each rank first waits for its copies (``tiers/background.py``) of a
+        tiered checkpoint saved into the same directory before, before the
+        collectives: no rank removes a file while another's copies read it.
         """
         rank = dist.get_rank()
-        if tier is not None:  # before the collectives below: no rank invalidates while another's copies read
+        if tier is not None:
             tier.wait_for_earlier()
+        else:
+            wait_for_earlier_copies(ckpt, None, f"rank {rank} ({describe_node()})")
         if error is None:  # every rank: a node-local directory may be missing or read-only on one node only
             error = check_target_directory(ckpt)
         # collective: every rank

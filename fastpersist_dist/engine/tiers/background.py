@@ -139,7 +139,7 @@ def remove_checkpoint(path: str) -> None:
     _remover.get().submit(Removal(checkpoint_url(path), after, newest, time.monotonic()))
 
 
-def _copies_of(checkpoint_dir: str, local: str) -> list[Any]:
+def _copies_of(checkpoint_dir: str, local: Optional[str]) -> list[Any]:
     """This process's replications and committed drains not finished whose checkpoint is ``checkpoint_dir``
     (a URL) or whose node copy is ``local``."""
     def same(home: str, copy: str) -> bool:
@@ -153,13 +153,13 @@ def _copies_of(checkpoint_dir: str, local: str) -> list[Any]:
     return jobs
 
 
-def wait_for_earlier_copies(checkpoint_dir: str, local: str, who: str) -> None:
-    """Before a save that overwrites ``checkpoint_dir`` (its node copy ``local``) touches anything: wait until
-    this process's replication and drain of the checkpoint saved there before are done, since the save removes
-    and rewrites the files they read and write. Each rank waits for its own, before the save's first collective,
-    so no rank removes a file another rank's copy still reads. A drain whose save is not committed yet is not
-    waited for: its commit runs on the caller's thread (an async save still writing ``local`` is refused before
-    this)."""
+def wait_for_earlier_copies(checkpoint_dir: str, local: Optional[str], who: str) -> None:
+    """Before a save into ``checkpoint_dir`` (tiered: its node copy ``local``; None for one without tiers)
+    touches anything: wait until this process's replication and drain of a tiered checkpoint saved there before
+    are done, since the save removes and rewrites the files they read and write. Each rank waits for its own,
+    before the save's first collective, so no rank removes a file another rank's copy still reads. A drain whose
+    save is not committed yet is not waited for: its commit runs on the caller's thread (an async save still
+    writing ``local`` is refused before this)."""
     checkpoint_dir = checkpoint_url(checkpoint_dir)
     jobs = _copies_of(checkpoint_dir, local)
     if not jobs:
