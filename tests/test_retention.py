@@ -64,14 +64,16 @@ def _kept(local_dir: str) -> list[str]:
 def test_the_newest_copies_the_newest_durable_one_those_not_durable_being_replicated_or_read_are_kept(tmp_path):
     """keep_local=1: every copy but the newest goes, unless it is the newest durable one, not durable yet, being
     replicated or read; the copy of a checkpoint the persistent tier no longer holds (its directory removed,
-    overwritten by another save) goes whatever state it had, but not one whose save has not yet written its
-    manifest there."""
+    overwritten by another save, tiered or not) goes whatever state it had, but not one whose save has not yet
+    written its manifest there."""
     local, homes = str(tmp_path / "local"), tmp_path / "persistent"
     durable_old, _ = _copy(local, str(homes / "s1"), 60, durable=True)
     removed, _ = _copy(local, str(homes / "s1r"), 58, held=False)  # removed from the persistent tier, never durable
     overwritten, replaced = _copy(local, str(homes / "s1o"), 56)
     newer = dataclasses.replace(replaced, checkpoint_id="0123456789abcdef", state=DURABLE)  # another save's there
     PosixDir(str(homes / "s1o")).write(TIERS_FILE, newer.to_json_bytes())
+    resaved, _ = _copy(local, str(homes / "s1w"), 54, held=False)  # saved there again without tiers: an index
+    PosixDir(str(homes / "s1w")).write(INDEX_FILE, b"{}")
     local_only, _ = _copy(local, str(homes / "s2"), 50, persistent=False)
     replicating, queued = _copy(local, str(homes / "s2r"), 45, persistent=False)  # its replicas not sent yet
     durable_newest, _ = _copy(local, str(homes / "s3"), 40, durable=True)
@@ -84,7 +86,7 @@ def test_the_newest_copies_the_newest_durable_one_those_not_durable_being_replic
         retain(TierConfig(local, keep_local=1), manifest, replicating=frozenset({queued.checkpoint_id}))
     kept = [replicating, durable_newest, being_read, draining, starting, current]
     assert _kept(local) == sorted(os.path.basename(p) for p in kept), _kept(local)
-    assert not any(os.path.exists(p) for p in (durable_old, removed, overwritten, local_only))
+    assert not any(os.path.exists(p) for p in (durable_old, removed, overwritten, resaved, local_only))
     retain(TierConfig(local, keep_local=1), manifest)  # the load is over, the replication done
     assert not os.path.exists(being_read) and not os.path.exists(replicating)
 

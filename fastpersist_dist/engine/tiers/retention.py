@@ -9,9 +9,10 @@ loop's finalize, and removing a copy on a disk takes time), except:
 * a copy whose checkpoint is not durable yet (persistent checkpoints: it may
   be the only copy of those files), and the copy of the newest durable one;
   but a copy whose checkpoint the persistent tier no longer holds (its
-  directory removed, or overwritten by another save) is of no checkpoint: it
-  goes, among the newest ``keep_local`` too (a directory with files and no
-  manifest yet is a save under way: kept);
+  directory removed, or overwritten by another save, tiered or not: its
+  manifest is another's, or gone and an index committed) is of no checkpoint:
+  it goes, among the newest ``keep_local`` too (a directory with files and no
+  manifest nor index yet is a save under way: kept);
 * a copy whose replication has not finished in this process (saves can
   outrun their replicas: the copy is what the node sends, or where it
   receives, once the replication queued before gets to it);
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from ...format.kinds import MARKERS
 from ...format.tiers import DURABLE, TIERS_FILE, TierManifest
 from ...storage.files import unlink_quietly
 from ...storage.persistent import PosixDir, persistent_dir
@@ -128,7 +130,7 @@ def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = 
             logger.debug("fastpersist: the local copy %s is being read: kept for now", path)
 
 
-GONE = "gone"  # the checkpoint's persistent directory is gone (removed), or holds another save's manifest
+GONE = "gone"  # the checkpoint's persistent directory is gone (removed), or holds another save's checkpoint
 UNKNOWN = "unknown"  # the persistent tier cannot be asked now, or its manifest is not written yet
 
 
@@ -138,8 +140,9 @@ def _held(m: TierManifest) -> str:
     try:
         home = persistent_dir(m.checkpoint_dir)
         current = read_manifest(home)
-        if current is None:  # removed, or a save that has not written it yet (another job's, into this tier)
-            return UNKNOWN if home.names() else GONE
+        if current is None:  # removed, saved again without tiers, or a save that has not written it yet
+            names = set(home.names())
+            return GONE if not names or names.intersection(MARKERS) else UNKNOWN
     except FastPersistError:
         return UNKNOWN
     return current.state if current.checkpoint_id == m.checkpoint_id else GONE
