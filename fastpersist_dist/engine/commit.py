@@ -1,8 +1,9 @@
 """The commit protocol: invalidate, write, report, commit the index last.
 
 1. Before any data is written, rank 0 removes the old commit markers (a tiers
-   manifest, our index and DCP's ``.metadata``), fsyncs the directory, then removes every stale data
-   file of either format that this save does not rewrite and the index part files:
+   manifest, our index and DCP's ``.metadata``), fsyncs the directory, then
+   removes every stale data file of either format that this save does not
+   rewrite, the index part files and what is left of a tiered checkpoint:
    a crash from here on leaves a directory that is recognisably incomplete. A data
    file this save rewrites is unlinked by its own writer just before it writes
    (step 2): unlinking a large file takes time (it frees every extent), which the

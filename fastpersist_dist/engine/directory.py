@@ -16,8 +16,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from ..format.index_pages import PART_FILE_RE
-from ..format.tiers import DRAINED_PREFIX, PENDING_DIR, TIERED_MARKERS
 from ..format.records import STATUS_FILE_RE, is_data_file
+from ..format.tiers import DRAINED_PREFIX, PENDING_DIR, TIERED_MARKERS
 from ..storage.files import TMP_SUFFIX, fsync_path, unlink_quietly
 from ..storage.shared_dir import view_of, why_not_shared
 from ..util.errors import SaveFailedError
