@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future
+from typing import Optional
 
 import pytest
 import torch
@@ -27,6 +29,8 @@ from fastpersist_dist import (
     wait_copies,
     wait_durable,
 )
+from fastpersist_dist.engine.tiers.background import drainer
+from fastpersist_dist.engine.tiers.drain import Drain
 from fastpersist_dist.format.kinds import checkpoint_format
 from fastpersist_dist.format.tiers import local_copy_dir
 from fastpersist_dist.tools.ranks import run_ranks
@@ -37,10 +41,12 @@ from .tiers_driver import state
 pytestmark = pytest.mark.engine
 
 
-def _save(rank: int, world: int, root: str, name: str, step: int, tiers: TierConfig) -> str:
+def _save(rank: int, world: int, root: str, name: str, step: int, tiers: Optional[TierConfig],
+          strategy: Optional[FastPersistSaveStrategy] = None) -> str:
     ckpt = os.path.join(root, "persistent", name, "weights")
     prepare_checkpoint_dir(ckpt)
-    dist_checkpointing.save(state(rank, world, step), ckpt, sharded_strategy=FastPersistSaveStrategy(tiers=tiers))
+    dist_checkpointing.save(state(rank, world, step), ckpt,
+                            sharded_strategy=strategy or FastPersistSaveStrategy(tiers=tiers))
     return ckpt
 
 
@@ -105,3 +111,51 @@ def test_a_removal_waits_for_the_next_checkpoint_to_be_durable_and_never_takes_t
     assert any(m.startswith(f"fastpersist: removed {tmp_path}/persistent/s1, once ") for m in first["messages"])
     kept = [m for m in first["messages"] if m.startswith(f"fastpersist: {s2} was to be removed and is kept")]
     assert len(kept) == 1 and f"{tmp_path}/persistent/s3/weights, is local, not durable" in kept[0], first
+
+
+def _saved_again_before_its_removal_ran(rank: int, world: int, root: str, prepared: bool) -> dict:
+    """p saved without tiers; on rank 0 a job queued on the drain thread holds back the drain of the tiered save q
+    behind it, so the removal of p asked for next waits; p is then saved again with another state, the job let go
+    (``prepared``: between ``prepare_checkpoint_dir`` and the save, where the removal then runs; else after the
+    save)."""
+    held: Future = Future()
+    if rank == 0:
+        drainer().submit(Drain(held, os.path.join(root, "other"), os.path.join(root, "other-local"), rank, "test",
+                               "none", 0.0, None))
+    messages = logged("fastpersist_dist", logging.WARNING)
+    plain = FastPersistSaveStrategy()
+    p = _save(rank, world, root, "p", 1, None, plain)
+    q = _save(rank, world, root, "q", 2, TierConfig(os.path.join(root, "local")))
+    if rank == 0:
+        remove_checkpoint(os.path.dirname(p))
+    dist.barrier()
+
+    def let_go() -> None:
+        if rank == 0:
+            held.set_exception(RuntimeError("released"))
+        assert wait_copies(timeout=120)
+        dist.barrier()
+
+    if prepared:
+        prepare_checkpoint_dir(p)
+        let_go()
+    dist_checkpointing.save(state(rank, world, 3), p, sharded_strategy=plain)
+    if not prepared:
+        let_go()
+    want = state(rank, world, 3)
+    loaded = dist_checkpointing.load({k: empty_like_request(v) for k, v in want.items()}, p,
+                                     sharded_strategy=FastPersistLoadStrategy())
+    return {"equal": all(torch.equal(loaded[k], v.data) for k, v in want.items()), "q": checkpoint_state(q),
+            "messages": [r.getMessage() for r in messages]}
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepare_checkpoint_dir", "save"])
+def test_a_removal_keeps_a_directory_saved_again_after_it_was_asked_for(tmp_path, prepared):
+    """A checkpoint directory saved again (by ``prepare_checkpoint_dir``, or by the save itself) after its removal
+    was asked for and before it ran holds the newer checkpoint: the removal keeps it, saying so, and it loads."""
+    first, second = run_ranks(2, _saved_again_before_its_removal_ran, str(tmp_path), prepared)
+    assert first["equal"] and second["equal"] and first["q"] == "durable", (first, second)
+    p, again = tmp_path / "persistent" / "p", tmp_path / "persistent" / "p" / "weights"
+    kept = [m for m in first["messages"] if m.startswith(f"fastpersist: {p} was to be removed and is kept: this "
+                                                         f"process began saving into {again} after")]
+    assert len(kept) == 1 and len(first["messages"]) == 1 and not second["messages"], (first, second)

@@ -22,6 +22,7 @@ from ..storage.files import TMP_SUFFIX, fsync_path, unlink_quietly
 from ..storage.shared_dir import view_of, why_not_shared
 from ..util.errors import SaveFailedError
 from .agreement import before_writing, failure
+from .tiers.background import saving_into
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,10 @@ def prepare_checkpoint_dir(checkpoint_dir: str, create: bool = True, require_sha
     before our strategy runs, so a missing or read-only directory fails there on
     rank 0 alone, and the other ranks learn of it only when rank 0's process is
     gone. This raises the same ``SaveFailedError`` on every rank, before anything
-    is written.
+    is written. A removal of the directory asked for before (``remove_checkpoint``)
+    keeps it from here on.
     """
+    saving_into(checkpoint_dir, f"rank {dist.get_rank()}")
     agreement = before_writing(f"checkpoint directory {checkpoint_dir} cannot be used")
     created: list[Any] = [None]
     if dist.get_rank() == 0 and create:

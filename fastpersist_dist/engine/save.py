@@ -41,7 +41,7 @@ from .commit import finalize_save
 from .directory import check_shared_directory, check_target_directory, invalidate
 from .staging import Lease, SnapshotPool, StagedShard, assign, stage, to_elements
 from .status import write_and_report
-from .tiers.background import wait_for_earlier_copies
+from .tiers.background import begin_save
 from .tiers.save import TieredSave
 from .tiers.topology import describe_node
 from .writer_process import WriterJob, describe_items, write_in_writer, writer_client
@@ -309,13 +309,15 @@ class SaveEngine:
         save's directory is each node's own: nothing to compare across ranks.
         Each rank first waits for its copies (``tiers/background.py``) of a
         tiered checkpoint saved into the same directory before, before the
-        collectives: no rank removes a file while another's copies read it.
+        collectives: no rank removes a file while another's copies read it;
+        and records that the save began, so that a removal of the directory
+        asked for before keeps it (``tiers/removal.py``).
         """
         rank = dist.get_rank()
         if tier is not None:
-            tier.wait_for_earlier()
+            tier.begin()
         else:
-            wait_for_earlier_copies(ckpt, None, f"rank {rank} ({describe_node()})")
+            begin_save(ckpt, None, f"rank {rank} ({describe_node()})")
         if error is None:  # every rank: a node-local directory may be missing or read-only on one node only
             error = check_target_directory(ckpt)
         # collective: every rank

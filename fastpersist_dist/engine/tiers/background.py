@@ -34,7 +34,7 @@ from ...storage.persistent import checkpoint_url
 from ...storage.recycle import empty_pools
 from ...util.per_process import PerProcess
 from .drain import Drain, drain
-from .removal import Removal, remove
+from .removal import Removal, SavesBegun, remove
 from .replicate import Replication, replicate
 from .retention import Retention, retain
 from .topology import release_replication_groups
@@ -96,20 +96,36 @@ def _retain(job: Retention) -> None:
 
 
 POLL_S = 0.05  # how often a wait for background jobs looks again
-SAY_WAITING_AFTER_S = 1.0  # a save that waits this long for the copies of the checkpoint it overwrites says so
+SAY_WAITING_AFTER_S = 1.0  # a save that waits this long (for copies, for a removal under way) says so
+
+
+def _until(done: Callable[[], bool], timeout: Optional[float] = None,
+           slow: Callable[[], None] = lambda: None) -> bool:
+    """Look at ``done()`` every ``POLL_S`` until it holds; whether it did within ``timeout`` s. ``slow`` is called
+    once where that takes ``SAY_WAITING_AFTER_S``."""
+    start, said = time.monotonic(), False
+    while not done():
+        waited = time.monotonic() - start
+        if timeout is not None and waited >= timeout:
+            return False
+        if not said and waited >= SAY_WAITING_AFTER_S:
+            slow()
+            said = True
+        time.sleep(POLL_S)
+    return True
 
 
 def _remove(job: Removal) -> None:
     """A removal, once the drains queued before it are done (``removal.py``)."""
-    while job.after and any(d is o for o in _drainer.get().open_jobs() for d in job.after):
-        time.sleep(POLL_S)
-    remove(job)
+    _until(lambda: not any(d is o for o in _drainer.get().open_jobs() for d in job.after))
+    remove(job, _begun.get())
 
 
 _replicator = PerProcess(lambda: Worker("fastpersist-replicate", replicate))
 _drainer = PerProcess(lambda: Worker("fastpersist-drain", drain))
 _retainer = PerProcess(lambda: Worker("fastpersist-retain", _retain))
 _remover = PerProcess(lambda: Worker("fastpersist-remove", _remove))
+_begun = PerProcess(SavesBegun)
 replicator: Callable[[], Worker[Replication]] = _replicator.get
 drainer: Callable[[], Worker[Drain]] = _drainer.get
 retainer: Callable[[], Worker[Retention]] = _retainer.get
@@ -153,41 +169,57 @@ def _copies_of(checkpoint_dir: str, local: Optional[str]) -> list[Any]:
     return jobs
 
 
-def wait_for_earlier_copies(checkpoint_dir: str, local: Optional[str], who: str) -> None:
+def begin_save(checkpoint_dir: str, local: Optional[str], who: str) -> None:
     """Before a save into ``checkpoint_dir`` (tiered: its node copy ``local``; None for one without tiers)
-    touches anything: wait until this process's replication and drain of a tiered checkpoint saved there before
-    are done, since the save removes and rewrites the files they read and write. Each rank waits for its own,
-    before the save's first collective, so no rank removes a file another rank's copy still reads. A drain whose
-    save is not committed yet is not waited for: its commit runs on the caller's thread (an async save still
-    writing ``local`` is refused before this)."""
-    checkpoint_dir = checkpoint_url(checkpoint_dir)
-    jobs = _copies_of(checkpoint_dir, local)
-    if not jobs:
-        return
-    start, said = time.monotonic(), False
-    waiting = (f"fastpersist: {who}: saving {checkpoint_dir} again: waiting for this process's copies (replicas, "
-               "the copy to the persistent tier) of the checkpoint saved there before to end first")
-    logger.debug("%s (%d under way)", waiting, len(jobs))
-    while jobs:
-        if not said and time.monotonic() - start >= SAY_WAITING_AFTER_S:
-            logger.info("%s (%d under way)", waiting, len(jobs))
-            said = True
-        time.sleep(POLL_S)
-        jobs = _copies_of(checkpoint_dir, local)
-    (logger.info if said else logger.debug)("fastpersist: %s: waited %.2f s for the copies of the checkpoint saved "
-                                            "in %s before", who, time.monotonic() - start, checkpoint_dir)
+    touches anything.
+
+    Waits until this process's replication and drain of a tiered checkpoint
+    saved there before are done, since the save removes and rewrites the files
+    they read and write. Each rank waits for its own, before the save's first
+    collective, so no rank removes a file another rank's copy still reads. A
+    drain whose save is not committed yet is not waited for: its commit runs on
+    the caller's thread (an async save still writing ``local`` is refused
+    before this). Then records that the save began, so that a removal of the
+    directory asked for before it keeps it (``removal.py``).
+    """
+    url = checkpoint_url(checkpoint_dir)
+    jobs = _copies_of(url, local)
+    if jobs:
+        waiting = (f"fastpersist: {who}: saving {url} again: waiting for this process's copies (replicas, the copy "
+                   "to the persistent tier) of the checkpoint saved there before to end first")
+        logger.debug("%s (%d under way)", waiting, len(jobs))
+        start, said = time.monotonic(), threading.Event()
+
+        def say() -> None:
+            logger.info("%s (%d under way)", waiting, len(_copies_of(url, local)))
+            said.set()
+
+        _until(lambda: not _copies_of(url, local), slow=say)
+        (logger.info if said.is_set() else logger.debug)(
+            "fastpersist: %s: waited %.2f s for the copies of the checkpoint saved in %s before", who,
+            time.monotonic() - start, url)
+    saving_into(url, who)
+
+
+def saving_into(checkpoint_dir: str, who: str) -> None:
+    """Record that this process begins saving into ``checkpoint_dir`` (``removal.SavesBegun``): a removal of it
+    asked for before keeps it; one removing it right now is waited for."""
+    url, begun = checkpoint_url(checkpoint_dir), _begun.get()
+    if not begun.lock.acquire(timeout=SAY_WAITING_AFTER_S):
+        logger.info("fastpersist: %s: saving %s: waiting for a removal under way to end first", who, url)
+        begun.lock.acquire()
+    try:
+        oldest = min((job.asked for job in _remover.get().open_jobs()), default=None) if _remover.made() else None
+        begun.note(url, oldest)
+    finally:
+        begun.lock.release()
 
 
 def wait_copies(timeout: Optional[float] = None) -> bool:
     """Wait until this process's replicas, copies to the persistent tier, removals of local copies no longer
     kept and of checkpoints given up (``remove_checkpoint``), submitted so far, are done (at most ``timeout``
     s); whether they are."""
-    end = None if timeout is None else time.monotonic() + timeout
-    while any(w.pending for w in _workers()):
-        if end is not None and time.monotonic() > end:
-            return False
-        time.sleep(POLL_S)
-    return True
+    return _until(lambda: not any(w.pending for w in _workers()), timeout)
 
 
 def _give_up_uncommitted() -> None:

@@ -14,6 +14,12 @@ Otherwise (that save failed, or its copy to the persistent tier did) the
 directory stays, and a warning names both. Where this process saved nothing to
 a persistent tier there is nothing to wait for.
 
+A save this process begins in the directory after the removal was asked for
+(the same name saved again) keeps it, with a warning: the removal was of the
+checkpoint that was there. The check and the removal hold the lock a save
+takes to record its beginning (``SavesBegun``), so a save never begins in a
+directory while it is being removed.
+
 Commit markers go first (``remove_tree``): a removal cut short leaves files
 that no loader takes for a checkpoint. Each node's local copy of a removed
 checkpoint goes with that node's next local commit (``retention.py``).
@@ -22,6 +28,7 @@ checkpoint goes with that node's next local commit (``retention.py``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -54,6 +61,25 @@ def _inside(checkpoint_dir: str, path: str) -> bool:
     return checkpoint_dir == path or checkpoint_dir.startswith(path.rstrip("/") + "/")
 
 
+class SavesBegun:
+    """When this process began each save (``time.monotonic()``, by directory URL) that a removal still pending may
+    have to respect, and the lock ordering a removal against a save beginning where it removes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._at: dict[str, float] = {}
+
+    def note(self, url: str, oldest: Optional[float]) -> None:
+        """A save into ``url`` begins now; ``oldest``: when the oldest removal still pending was asked for (None:
+        none is, and no earlier save matters any more). Hold the lock."""
+        self._at = {u: t for u, t in self._at.items() if oldest is not None and t >= oldest}
+        self._at[url] = time.monotonic()
+
+    def since(self, path: str, asked: float) -> Optional[str]:
+        """A directory in ``path`` (or ``path`` itself) a save began in after ``asked``, if any; hold the lock."""
+        return next((u for u, t in self._at.items() if t >= asked and _inside(u, path)), None)
+
+
 def kept_because(job: Removal) -> Optional[str]:
     """Why ``job.path`` must stay (its drains done): None where removing it loses no durable checkpoint."""
     newest = job.newest
@@ -76,18 +102,26 @@ def kept_because(job: Removal) -> Optional[str]:
             "persistent tier failed: see the errors logged), so it may hold the newest durable checkpoint")
 
 
-def remove(job: Removal) -> None:
-    """Remove ``job.path`` unless :func:`kept_because` says why not (logged); its drains are done."""
+def remove(job: Removal, begun: SavesBegun) -> None:
+    """Remove ``job.path`` unless :func:`kept_because` says why not, or a save began in it since the removal was
+    asked for (logged); its drains are done."""
     reason = kept_because(job)
     if reason is not None:
         logger.warning("fastpersist: %s was to be removed and is kept: %s; remove it once a newer checkpoint is "
                        "durable", job.path, reason)
         return
-    try:
-        persistent_dir(job.path).remove_tree(COMMIT_MARKERS)
-    except FastPersistError as e:
-        logger.error("fastpersist: %s was to be removed: %s", job.path, e)
-        return
+    with begun.lock:
+        again = begun.since(job.path, job.asked)
+        if again is not None:
+            logger.warning("fastpersist: %s was to be removed and is kept: this process began saving into %s after "
+                           "the removal was asked for, so it holds a newer checkpoint than the one to remove",
+                           job.path, again)
+            return
+        try:
+            persistent_dir(job.path).remove_tree(COMMIT_MARKERS)
+        except FastPersistError as e:
+            logger.error("fastpersist: %s was to be removed: %s", job.path, e)
+            return
     newest = "" if job.newest is None else f", once {job.newest.checkpoint_dir} was durable"
     logger.info("fastpersist: removed %s%s (%.2f s after it was asked for)", job.path, newest,
                 time.monotonic() - job.asked)

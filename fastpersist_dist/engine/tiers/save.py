@@ -41,7 +41,7 @@ from ...util.config import TierConfig, WriteConfig
 from ...util.errors import FastPersistError, SaveFailedError
 from ..agreement import Agreement, failure
 from ..directory import invalidate
-from .background import drainer, replicator, retainer, wait_for_earlier_copies
+from .background import begin_save, drainer, replicator, retainer
 from .drain import Drain, Planned
 from .replicate import Replication
 from .retention import Retention
@@ -99,10 +99,10 @@ class TieredSave:
         """Whether this rank prepares and commits its node's copy (the node's first rank)."""
         return self.topology.nodes[self.node][0] == self.rank
 
-    def wait_for_earlier(self) -> None:
-        """Before this save's first collective: this rank's copies of the checkpoint saved here before, ended
-        (``background.wait_for_earlier_copies``)."""
-        wait_for_earlier_copies(self.checkpoint_dir, self.local, f"rank {self.rank} ({describe_node()})")
+    def begin(self) -> None:
+        """Before this save's first collective: this rank's copies of the checkpoint saved here before ended, and
+        the save recorded as begun (``background.begin_save``)."""
+        begin_save(self.checkpoint_dir, self.local, f"rank {self.rank} ({describe_node()})")
 
     def invalidate(self, rewritten: frozenset[str]) -> None:
         """Before anything is written: each node's copy (its leader), and the persistent directory's commit
