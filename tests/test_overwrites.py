@@ -18,7 +18,7 @@ from megatron.core import dist_checkpointing
 
 from fastpersist_dist import (CorruptCheckpointError, FastPersistLoadStrategy, FastPersistSaveStrategy,
                               checkpoint_state, prepare_checkpoint_dir, wait_copies, wait_durable)
-from fastpersist_dist.engine.tiers.copies import _check_current
+from fastpersist_dist.engine.tiers.state import check_current
 from fastpersist_dist.format.checksum import digest_bytes
 from fastpersist_dist.format.kinds import DCP_METADATA_FILE
 from fastpersist_dist.format.records import INDEX_FILE
@@ -47,6 +47,14 @@ def _loaded(rank: int, world: int, ckpt: str, strategy: object = None) -> str:
     return "mixed"
 
 
+def _state(ckpt: str) -> str:
+    """``checkpoint_state``, or its refusal."""
+    try:
+        return str(checkpoint_state(ckpt))
+    except CorruptCheckpointError as e:
+        return str(e)
+
+
 def _tiered_then(rank: int, world: int, root: str, second: str) -> dict:
     ckpt, local = os.path.join(root, "persistent", "step"), os.path.join(root, "local")
     prepare_checkpoint_dir(ckpt)
@@ -57,7 +65,7 @@ def _tiered_then(rank: int, world: int, root: str, second: str) -> dict:
         dist_checkpointing.save(state(rank, world, 2), ckpt, sharded_strategy=(
             FastPersistSaveStrategy() if second == "ours" else ("torch_dist", 1)))
     dist.barrier()
-    out = {"names": sorted(os.listdir(ckpt)), "state": checkpoint_state(ckpt),
+    out = {"names": sorted(os.listdir(ckpt)), "state": _state(ckpt),
            "plain": _loaded(rank, world, ckpt), "from_local": _loaded(rank, world, ckpt, FastPersistLoadStrategy(
                local_dir=local))}
     dist.barrier()
@@ -77,9 +85,10 @@ def test_our_save_without_tiers_over_a_tiered_checkpoint_removes_its_manifest_fi
 
 
 def test_megatrons_own_save_over_a_tiered_checkpoint_is_refused_not_read_from_the_local_copies(tmp_path):
+    """Both loads and ``checkpoint_state`` (whose manifest still says durable) refuse, naming the files to remove."""
     for result in run_ranks(2, _tiered_then, str(tmp_path), "megatron"):
         assert TIERS_FILE in result["names"], result["names"]  # megatron's save leaves it
-        for refusal in (result["plain"], result["from_local"]):
+        for refusal in (result["state"], result["plain"], result["from_local"]):
             assert ("holds the tiers manifest of checkpoint" in refusal and f"a torch DCP {DCP_METADATA_FILE} that "
                     f"is not the one committed with its {INDEX_FILE}" in refusal
                     and f"remove {TIERS_FILE} and {INDEX_FILE} from it" in refusal), refusal
@@ -97,12 +106,12 @@ def test_a_manifest_is_checked_against_the_markers_committed_beside_it(tmp_path)
     they are the ones the manifest names."""
     home = PosixDir(str(tmp_path))
     ours = b'{"not": "parsed while it is not there"}'
-    _check_current(home, _manifest(str(tmp_path), ours), "rank 0")  # nothing committed there yet
+    check_current(home, _manifest(str(tmp_path), ours), "rank 0")  # nothing committed there yet
     (tmp_path / INDEX_FILE).write_bytes(b'{"another": "index"}')
     with pytest.raises(CorruptCheckpointError, match=f"a committed {INDEX_FILE} that is not the index the manifest "
                                                      f"names: .* remove {TIERS_FILE} from it"):
-        _check_current(home, _manifest(str(tmp_path), ours), "rank 0")
+        check_current(home, _manifest(str(tmp_path), ours), "rank 0")
     (tmp_path / INDEX_FILE).unlink()
     (tmp_path / DCP_METADATA_FILE).write_bytes(b"megatron's")
     with pytest.raises(CorruptCheckpointError, match=f"a torch DCP {DCP_METADATA_FILE} but no {INDEX_FILE}"):
-        _check_current(home, _manifest(str(tmp_path), ours), "rank 0")
+        check_current(home, _manifest(str(tmp_path), ours), "rank 0")

@@ -29,15 +29,14 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 
 from ...format.checksum import digest_bytes
-from ...format.kinds import DCP_METADATA_FILE
-from ...format.records import CONTAINER_TORCH_SAVE, INDEX_FILE, CheckpointIndex
+from ...format.records import INDEX_FILE, CheckpointIndex
 from ...format.tiers import DURABLE, TIERS_FILE, TierManifest, local_copy_dir
 from ...storage.copy import AtomicFile, block_spans
 from ...storage.files import made_once
 from ...storage.persistent import PersistentDir, PosixDir, persistent_dir
-from ...util.errors import CorruptCheckpointError, FastPersistError
-from ..index_reader import parse_top_bytes
-from .state import drained_files, drained_marker, newest_durable_beside, pending_dir, read_manifest
+from ...util.errors import FastPersistError
+from .state import (check_current, drained_files, drained_marker, newest_durable_beside, pending_dir,
+                    read_manifest)
 from .topology import describe_node
 
 logger = logging.getLogger(__name__)
@@ -178,7 +177,7 @@ def copies_for_load(checkpoint_dir: str, manifest: TierManifest, who: str, local
     be found, naming the newest durable checkpoint beside it.
     """
     home, since = persistent_dir(checkpoint_dir), time.time()
-    _check_current(home, manifest, who)
+    check_current(home, manifest, who)
     local = local_copy_dir(local_dir or manifest.local_dir, checkpoint_dir)
     copies = Copies(checkpoint_dir, manifest, local, local, home=None if home.local_path is not None else home,
                     local_ok=_same_checkpoint(local, manifest))
@@ -204,33 +203,6 @@ def copies_for_load(checkpoint_dir: str, manifest: TierManifest, who: str, local
         logger.debug("fastpersist: %s: the index of %s was fetched into %s by another rank of this node", who,
                      checkpoint_dir, local)
     return replace(copies, local_ok=True)
-
-
-def _check_current(home: PersistentDir, manifest: TierManifest, who: str) -> None:
-    """The manifest describes what is committed in its directory: an index committed there is the one it names,
-    and a torch DCP ``.metadata`` there the one committed with that index (either comes only with the drain's
-    commit). Another save into the directory after the tiered one that knew nothing of its manifest (megatron's
-    own ``torch_dist``) would otherwise send the load to the local copies of the checkpoint it replaced."""
-    index, metadata = home.read(INDEX_FILE), home.read(DCP_METADATA_FILE)
-    if index is None and metadata is None:
-        return
-    remove = TIERS_FILE
-    if index is None:
-        why = f"a torch DCP {DCP_METADATA_FILE} but no {INDEX_FILE}"
-    elif digest_bytes(index) != manifest.index_xxh3_64:
-        why = f"a committed {INDEX_FILE} that is not the index the manifest names"
-    else:
-        top = parse_top_bytes(index, home.where(INDEX_FILE), who)
-        if metadata is None or (top.container == CONTAINER_TORCH_SAVE
-                                and digest_bytes(metadata) == top.metadata_xxh3_64):
-            return
-        why = f"a torch DCP {DCP_METADATA_FILE} that is not the one committed with its {INDEX_FILE}"
-        remove = f"{TIERS_FILE} and {INDEX_FILE}"
-    raise CorruptCheckpointError(
-        f"{who}: {manifest.checkpoint_dir} holds the tiers manifest of checkpoint {manifest.checkpoint_id} "
-        f"({manifest.state}) and {why}: another save wrote into that directory after it without tiers (e.g. "
-        f"megatron's own torch_dist), so its local copies are not of what the directory holds and which checkpoint "
-        f"is meant is unknown; to load the one written there last, remove {remove} from it")
 
 
 def _check_tied(index: bytes, manifest: TierManifest, where: str) -> None:

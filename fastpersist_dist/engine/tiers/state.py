@@ -16,10 +16,13 @@ import threading
 import time
 from typing import Iterator, Optional
 
-from ...format.records import INDEX_FILE
+from ...format.checksum import digest_bytes
+from ...format.kinds import DCP_METADATA_FILE
+from ...format.records import CONTAINER_TORCH_SAVE, INDEX_FILE
 from ...format.tiers import DRAINED_PREFIX, DURABLE, PENDING_DIR, STATES, TIERS_FILE, TierManifest
 from ...storage.persistent import PersistentDir, is_object_store, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
+from ..index_reader import parse_top_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +95,47 @@ def pending_dir(home: PersistentDir) -> PersistentDir:
     return home.sub(PENDING_DIR)
 
 
+def check_current(home: PersistentDir, manifest: TierManifest, who: str) -> None:
+    """The manifest describes what is committed in its directory: an index committed there is the one it names,
+    and a torch DCP ``.metadata`` there the one committed with that index (either comes only with the drain's
+    commit). Another save into the directory after the tiered one that knew nothing of its manifest (megatron's
+    own ``torch_dist``) would otherwise send the load to the local copies of the checkpoint it replaced."""
+    index, metadata = home.read(INDEX_FILE), home.read(DCP_METADATA_FILE)
+    if index is None and metadata is None:
+        return
+    remove = TIERS_FILE
+    if index is None:
+        why = f"a torch DCP {DCP_METADATA_FILE} but no {INDEX_FILE}"
+    elif digest_bytes(index) != manifest.index_xxh3_64:
+        why = f"a committed {INDEX_FILE} that is not the index the manifest names"
+    else:
+        top = parse_top_bytes(index, home.where(INDEX_FILE), who)
+        if metadata is None or (top.container == CONTAINER_TORCH_SAVE
+                                and digest_bytes(metadata) == top.metadata_xxh3_64):
+            return
+        why = f"a torch DCP {DCP_METADATA_FILE} that is not the one committed with its {INDEX_FILE}"
+        remove = f"{TIERS_FILE} and {INDEX_FILE}"
+    raise CorruptCheckpointError(
+        f"{who}: {manifest.checkpoint_dir} holds the tiers manifest of checkpoint {manifest.checkpoint_id} "
+        f"({manifest.state}) and {why}: another save wrote into that directory after it without tiers (e.g. "
+        f"megatron's own torch_dist), so its local copies are not of what the directory holds and which checkpoint "
+        f"is meant is unknown; to load the one written there last, remove {remove} from it")
+
+
 def checkpoint_state(checkpoint_dir: str) -> Optional[str]:
     """``"local"``, ``"replicated"`` or ``"durable"`` for a tiered checkpoint; ``"durable"`` for one saved
-    straight to ``checkpoint_dir`` and committed; None where nothing is committed there (yet)."""
+    straight to ``checkpoint_dir`` and committed; None where nothing is committed there (yet).
+
+    A manifest that says durable is checked against the index and DCP
+    ``.metadata`` committed beside it (:func:`check_current`): where another
+    save replaced them, ``CorruptCheckpointError`` says which files to remove,
+    as a load would, rather than "durable" for a checkpoint no load takes.
+    """
     home = persistent_dir(str(checkpoint_dir))
     manifest = read_manifest(home)
     if manifest is not None:
+        if manifest.state == DURABLE:
+            check_current(home, manifest, "checkpoint_state")
         return manifest.state
     return DURABLE if INDEX_FILE in home.names() else None
 
