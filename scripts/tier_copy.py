@@ -13,8 +13,8 @@ starts a SeaweedFS server on loopback (``tests/object_store.py``) and times
 uploads of the file (what a drain to an object store does) and fetches of it
 into ``--dst-dir`` (what a load from one does) instead, through msc's boto3
 client or (``--s3-profile s3-rust``) its Rust client. Prints each repetition
-and the median, and for uploads also the CPU seconds this process spent per
-GiB (the server's, on the same machine, apart).
+and the median, and the CPU seconds this process spent per GiB (for uploads
+and fetches, the server's, on the same machine, apart).
 """
 
 from __future__ import annotations
@@ -64,20 +64,19 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _report(what: str, size: int, times: list[float]) -> None:
-    median = statistics.median(times)
-    print(f"{what} of {size / 2**30:.3f} GiB: {' '.join(f'{t:.3f}' for t in times)} s; "
-          f"median {median:.3f} s ({size / 2**30 / median:.2f} GiB/s)")
-
-
-def _uploads(put: Callable[[], float], size: int, reps: int) -> None:
+def _moves(what: str, move: Callable[[], float], size: int, reps: int,
+           after: Callable[[], None] = lambda: None) -> None:
+    """``reps`` timed ``move()`` calls (``after`` each, untimed): their times and this process's CPU per GiB."""
     times, cpu = [], []
     for _ in range(reps):
         before = _cpu_seconds()
-        times.append(put())
+        times.append(move())
         cpu.append((_cpu_seconds() - before) / (size / 2**30))
-    _report("upload", size, times)
-    print(f"upload: this process's CPU per GiB {' '.join(f'{c:.2f}' for c in cpu)} s; median "
+        after()
+    median = statistics.median(times)
+    print(f"{what} of {size / 2**30:.3f} GiB: {' '.join(f'{t:.3f}' for t in times)} s; "
+          f"median {median:.3f} s ({size / 2**30 / median:.2f} GiB/s)")
+    print(f"{what}: this process's CPU per GiB {' '.join(f'{c:.2f}' for c in cpu)} s; median "
           f"{statistics.median(cpu):.2f} s")
 
 
@@ -107,15 +106,12 @@ def main() -> None:
             server.start()
             os.environ["MSC_CONFIG"] = server.msc_config(os.path.join(server_dir, "msc.json"))
             home = persistent_dir(f"msc://{args.s3_profile}/tier-copy")
-            _uploads(partial(home.put, "copy.distcp", src, spans, size, "upload"), size, args.reps)
-            move = partial(home.fetch, "copy.distcp", dst, spans, size, "fetch")
+            _moves("upload", partial(home.put, "copy.distcp", src, spans, size, "upload"), size, args.reps)
+            _moves("fetch", partial(home.fetch, "copy.distcp", dst, spans, size, "fetch"), size, args.reps,
+                   partial(os.unlink, dst))
         else:
-            move = partial(copy_checked, src, dst, spans, size, "copy")
-        times = []
-        for _ in range(args.reps):
-            times.append(move())
-            os.unlink(dst)
-        _report("fetch" if args.s3 else "copy", size, times)
+            _moves("copy", partial(copy_checked, src, dst, spans, size, "copy"), size, args.reps,
+                   partial(os.unlink, dst))
     finally:
         if server is not None:
             server.stop()

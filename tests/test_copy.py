@@ -57,9 +57,9 @@ def _records(data: bytes, lengths: list[int]) -> list[ShardRecord]:
     return records
 
 
-def _file(tmp_path: Path, lengths: list[int], seed: int = 0) -> tuple[str, bytes, list[Span]]:
+def _file(directory: Path | str, lengths: list[int], seed: int = 0) -> tuple[str, bytes, list[Span]]:
     data = np.random.default_rng(seed).integers(0, 256, sum(lengths), dtype=np.uint8).tobytes()
-    src = str(tmp_path / "src.distcp")
+    src = os.path.join(directory, "src.distcp")
     with open(src, "wb") as f:
         f.write(data)
     return src, data, block_spans(_records(data, lengths), BLOCK, len(data), src)
@@ -105,10 +105,18 @@ def dst_dir(request, tmp_path) -> str:
     return request.getfixturevalue("shm_dir")
 
 
+@pytest.fixture(params=["disk", "tmpfs"])
+def src_dir(request, tmp_path) -> str:
+    """A source on the disk (read into buffers) or on tmpfs (mapped: ``copy._copy_windows``)."""
+    if request.param == "disk":
+        return str(tmp_path)
+    return request.getfixturevalue("shm_dir")
+
+
 @pytest.mark.parametrize("lengths", LENGTHS)
 @pytest.mark.parametrize("window", [8192, 20_000, 1 << 20])
-def test_a_copy_is_the_same_bytes(tmp_path, dst_dir, lengths, window):
-    src, data, spans = _file(tmp_path, lengths)
+def test_a_copy_is_the_same_bytes(src_dir, dst_dir, lengths, window):
+    src, data, spans = _file(src_dir, lengths)
     dst = os.path.join(dst_dir, "dst.distcp")
     copy_checked(src, dst, spans, len(data), "rank 0", window)
     with open(dst, "rb") as f:
@@ -117,10 +125,10 @@ def test_a_copy_is_the_same_bytes(tmp_path, dst_dir, lengths, window):
 
 
 @pytest.mark.parametrize("where", [0, 20_000, 20_000 + BLOCK // 2, -1])
-def test_a_flipped_byte_in_the_source_is_named_and_nothing_is_written(tmp_path, dst_dir, where):
+def test_a_flipped_byte_in_the_source_is_named_and_nothing_is_written(src_dir, dst_dir, where):
     """Wherever the damage is (first window, a block that straddles two windows, the last byte), the copy
     stops naming the file and the offset, and the destination stays as it was: absent."""
-    src, data, spans = _file(tmp_path, [100, 70_000, 9, 33_333, 200_000])
+    src, data, spans = _file(src_dir, [100, 70_000, 9, 33_333, 200_000])
     offset = where % len(data)
     with open(src, "r+b") as f:
         f.seek(offset)
@@ -236,10 +244,10 @@ class _Growing:
 
 
 @pytest.mark.parametrize("lengths", [[1], [3 * BLOCK + 5], [100, 70_000, 9, 33_333, 200_000, 4 * BLOCK]])
-def test_a_copy_follows_a_file_being_written_and_commits_once_its_checksums_match(tmp_path, dst_dir, lengths):
+def test_a_copy_follows_a_file_being_written_and_commits_once_its_checksums_match(src_dir, dst_dir, lengths):
     data = np.random.default_rng(3).integers(0, 256, sum(lengths), dtype=np.uint8).tobytes()
     records = _records(data, lengths)
-    growing = _Growing(str(tmp_path / "src.distcp"), data, 5000)
+    growing = _Growing(os.path.join(src_dir, "src.distcp"), data, 5000)
     dst = os.path.join(dst_dir, "dst.distcp")
     try:
         pending = copy_following(growing.fd, growing.path, dst,
@@ -256,7 +264,7 @@ def test_a_copy_follows_a_file_being_written_and_commits_once_its_checksums_matc
     assert not [n for n in os.listdir(dst_dir) if n.endswith(TMP_SUFFIX)]
 
 
-def test_a_followed_copy_that_differs_from_the_index_is_removed(tmp_path, dst_dir):
+def test_a_followed_copy_that_differs_from_the_index_is_removed(src_dir, dst_dir):
     """The bytes read while the file grew are not the ones the writer hashed (the file was replaced, or read
     too early): nothing is put in place, and the destination stays as it was."""
     lengths = [70_000, 33_333]
@@ -264,7 +272,7 @@ def test_a_followed_copy_that_differs_from_the_index_is_removed(tmp_path, dst_di
     records = _records(data, lengths)
     changed = bytearray(data)
     changed[40_000] ^= 1
-    growing = _Growing(str(tmp_path / "src.distcp"), bytes(changed), 5000)
+    growing = _Growing(os.path.join(src_dir, "src.distcp"), bytes(changed), 5000)
     dst = os.path.join(dst_dir, "dst.distcp")
     with open(dst, "wb") as f:
         f.write(b"old")
