@@ -25,9 +25,11 @@ from fastpersist_dist.format.records import ShardRecord
 from fastpersist_dist.storage.copy import (
     DIRECT_ALIGN,
     AtomicFile,
+    CheckedFile,
     Span,
     block_layout,
     block_spans,
+    check_file,
     chunk_plan,
     copy_checked,
     copy_following,
@@ -139,6 +141,45 @@ def test_a_flipped_byte_in_the_source_is_named_and_nothing_is_written(src_dir, d
     block_start = max(s.start for s in spans if s.start <= offset)
     assert f"rank 3: checksum mismatch in {src} at byte offset {block_start} " in str(e.value)
     assert not [n for n in os.listdir(dst_dir) if n.startswith("dst.distcp")]
+
+
+def test_a_file_checked_in_place_names_its_first_damaged_block(src_dir):
+    """What an object-store client reading the file itself is given: a file whose blocks were checked (read into
+    a buffer from a disk, mapped on tmpfs)."""
+    src, data, spans = _file(src_dir, [100, 70_000, 9, 33_333, 200_000])
+    check_file(src, spans, len(data), "rank 2")
+    offset = 100 + 70_000 + 9 + 5
+    with open(src, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes([data[offset] ^ 0x01]))
+    block_start = max(s.start for s in spans if s.start <= offset)
+    with pytest.raises(CorruptCheckpointError, match=f"rank 2: checksum mismatch in {src} at byte offset "
+                                                     f"{block_start} "):
+        check_file(src, spans, len(data), "rank 2")
+
+
+def test_a_checked_file_reads_back_every_byte_and_stops_at_a_damaged_block(src_dir):
+    """What an upload through a client that reads a file object is given: reads of any size and position
+    return the file's bytes, each block checked (read into a buffer from a disk, mapped on tmpfs); a damaged
+    block fails the read that reaches it."""
+    src, data, spans = _file(src_dir, [100, 70_000, 9, 33_333, 200_000])
+    with CheckedFile(src, spans, len(data), "rank 1") as f:
+        got = bytearray()
+        while piece := f.read(7_777):
+            got += piece
+        assert bytes(got) == data
+        f.seek(-5, os.SEEK_END)
+        assert f.read() == data[-5:]
+    offset = 100 + 70_000 + 9 + 33_333 + 5
+    with open(src, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes([data[offset] ^ 0x01]))
+    block_start = max(s.start for s in spans if s.start <= offset)
+    with CheckedFile(src, spans, len(data), "rank 1") as f:
+        assert f.read(block_start) == data[:block_start]  # the blocks before the damaged one pass
+        with pytest.raises(CorruptCheckpointError, match=f"rank 1: checksum mismatch in {src} at byte offset "
+                                                         f"{block_start} "):
+            f.read()
 
 
 def test_a_source_of_the_wrong_size_or_missing_is_refused(tmp_path, dst_dir):

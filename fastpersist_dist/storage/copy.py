@@ -122,10 +122,16 @@ def read_chunk_into(fd: int, chunk: list[Span], buffer: bytearray, where: str, w
 
 def check_file(src: str, spans: list[Span], size: int, who: str) -> None:
     """Every block of the local data file ``src`` (``size`` bytes, ``spans`` its blocks) against its checksum,
-    read a chunk at a time into one reused buffer; raises ``CorruptCheckpointError`` naming the first bad one."""
+    read a chunk at a time into one reused buffer (in memory, a tmpfs: hashed where it is, mapped); raises
+    ``CorruptCheckpointError`` naming the first bad one."""
     fd = _open_source(src, who, size)
     try:
         chunks = chunk_plan(spans)
+        if _in_memory(src) and size:
+            whole = memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+            for chunk in chunks:
+                check_chunk(whole[chunk[0].start : chunk[-1].end], chunk, src, who)
+            return
         buffer = bytearray(max((c[-1].end - c[0].start for c in chunks), default=0))
         for chunk in chunks:
             check_chunk(read_chunk_into(fd, chunk, buffer, src, who), chunk, src, who)
@@ -485,6 +491,8 @@ class CheckedFile(io.RawIOBase):
     For clients that pull a file's bytes themselves (an object store's upload):
     each checksum block a read touches is read whole and checked once; the
     last one is kept, so sequential reads of any size read every byte once.
+    A file in memory (a tmpfs) is mapped: its blocks are checked and passed on
+    where they are, not read into buffers first.
     """
 
     def __init__(self, path: str, spans: list[Span], size: int, who: str):
@@ -492,6 +500,9 @@ class CheckedFile(io.RawIOBase):
         self.path, self._spans, self._size, self._who = path, spans, size, who
         self._fd = -1  # until open: a close() (the garbage collector's) must not close a reused number
         self._fd = _open_source(path, who, size)
+        self._mapped: Optional[memoryview] = None
+        if _in_memory(path) and size:
+            self._mapped = memoryview(mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
         self._pos = 0
         self._held: tuple[int, memoryview] = (-1, memoryview(b""))  # (span index, its checked bytes)
         self._starts = [s.start for s in spans]
@@ -526,6 +537,8 @@ class CheckedFile(io.RawIOBase):
         if not self.closed and self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self._mapped = None  # unmapped once the last block handed out is dropped too
+        self._held = (-1, memoryview(b""))
         super().close()
 
     def _span_at(self, pos: int) -> int:
@@ -534,7 +547,11 @@ class CheckedFile(io.RawIOBase):
     def _checked(self, i: int) -> memoryview:
         if self._held[0] != i:
             chunk = [self._spans[i]]
-            data = read_chunk_into(self._fd, chunk, bytearray(chunk[0].end - chunk[0].start), self.path, self._who)
+            if self._mapped is not None:
+                data = self._mapped[chunk[0].start : chunk[-1].end]
+            else:
+                data = read_chunk_into(self._fd, chunk, bytearray(chunk[0].end - chunk[0].start), self.path,
+                                       self._who)
             check_chunk(data, chunk, self.path, self._who)
-            self._held = (i, data)  # its own buffer, read once per block
+            self._held = (i, data)  # its own buffer (or the mapping's bytes), checked once per block
         return self._held[1]
