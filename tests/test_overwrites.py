@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from fastpersist_dist import (CorruptCheckpointError, FastPersistLoadStrategy, FastPersistSaveStrategy,
-                              checkpoint_state, prepare_checkpoint_dir, wait_copies, wait_durable)
+from fastpersist_dist import (CorruptCheckpointError, FastPersistError, FastPersistLoadStrategy,
+                              FastPersistSaveStrategy, checkpoint_state, prepare_checkpoint_dir, wait_copies,
+                              wait_durable)
 from fastpersist_dist.engine.tiers.state import check_current
 from fastpersist_dist.format.checksum import digest_bytes
 from fastpersist_dist.format.kinds import DCP_METADATA_FILE
@@ -34,13 +35,13 @@ pytestmark = pytest.mark.engine
 
 
 def _loaded(rank: int, world: int, ckpt: str, strategy: object = None) -> str:
-    """Which save's state a load of ``ckpt`` gives: "first", "second", or the error."""
+    """Which save's state a load of ``ckpt`` gives: "first", "second", or the error (its type first)."""
     want = state(rank, world, 2)
     request = {k: empty_like_request(v) for k, v in want.items()}
     try:
         got = dist_checkpointing.load(request, ckpt, **({} if strategy is None else {"sharded_strategy": strategy}))
-    except CorruptCheckpointError as e:
-        return str(e)
+    except FastPersistError as e:
+        return f"{type(e).__name__}: {e}"
     for name, step in (("second", 2), ("first", 1)):
         if all(torch.equal(got[k], v.data) for k, v in state(rank, world, step).items()):
             return name
@@ -48,11 +49,11 @@ def _loaded(rank: int, world: int, ckpt: str, strategy: object = None) -> str:
 
 
 def _state(ckpt: str) -> str:
-    """``checkpoint_state``, or its refusal."""
+    """``checkpoint_state``, or its refusal (its type first)."""
     try:
         return str(checkpoint_state(ckpt))
     except CorruptCheckpointError as e:
-        return str(e)
+        return f"{type(e).__name__}: {e}"
 
 
 def _tiered_then(rank: int, world: int, root: str, second: str) -> dict:
@@ -85,9 +86,15 @@ def test_our_save_without_tiers_over_a_tiered_checkpoint_removes_its_manifest_fi
 
 
 def test_megatrons_own_save_over_a_tiered_checkpoint_is_refused_not_read_from_the_local_copies(tmp_path):
-    """Both loads and ``checkpoint_state`` (whose manifest still says durable) refuse, naming the files to remove."""
-    for result in run_ranks(2, _tiered_then, str(tmp_path), "megatron"):
+    """Both loads and ``checkpoint_state`` (whose manifest still says durable) refuse, naming the files to remove:
+    in a load, rank 0 checks and the other rank gives up with it, naming it and its reason."""
+    for rank, result in enumerate(run_ranks(2, _tiered_then, str(tmp_path), "megatron")):
         assert TIERS_FILE in result["names"], result["names"]  # megatron's save leaves it
+        assert result["state"].startswith("CorruptCheckpointError: "), result["state"]
+        for refusal in (result["plain"], result["from_local"]):
+            assert refusal.startswith("CorruptCheckpointError: " if rank == 0 else
+                                      "FastPersistError: rank 1: load abandoned, a rank sharing its reads failed: "
+                                      "group rank 0: CorruptCheckpointError: "), refusal
         for refusal in (result["state"], result["plain"], result["from_local"]):
             assert ("holds the tiers manifest of checkpoint" in refusal and f"a torch DCP {DCP_METADATA_FILE} that "
                     f"is not the one committed with its {INDEX_FILE}" in refusal

@@ -191,6 +191,10 @@ def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(memory_cluster
     for r in loaded:
         ours = [io for io in r["persistent_io"] if io.startswith("list") or ".fastpersist" in io]
         assert ours == [], r["persistent_io"]
+    # one rank looks for an index and a .metadata committed beside the manifest (none yet: not durable)
+    markers = [[io for io in r["persistent_io"] if io in (f"open {INDEX_FILE}", f"open {DCP_METADATA_FILE}")]
+               for r in loaded]
+    assert sorted(markers) == [[], [f"open {INDEX_FILE}", f"open {DCP_METADATA_FILE}"]], loaded
     _wipe(cluster, 1)
     # node 1 lost and not replaced: the job restarts on node 0 alone, both ranks there reading its copy and replica
     alone = _load({**cluster, "nodes": cluster["nodes"][:1]}, "s4", 4, per_node=2, audit=True)

@@ -96,7 +96,10 @@ class LoadEngine:
                 manifest = tiers_manifest(checkpoint_dir)
                 if manifest is not None:
                     recovery = recovery_group(cfg.share_reads != "off", group)
-                copies = _copies(checkpoint_dir, manifest, who, cfg.local_dir)
+                # the others' next gather: a tiered load's first step, else the sharing group's
+                first = recovery if recovery is not None else group
+                copies = _copies(checkpoint_dir, manifest, who, cfg.local_dir,
+                                 first is None or dist.get_rank(first) == 0)
                 index_dir = checkpoint_dir if copies is None else copies.index_dir
                 closing.enter_context(reading(None if copies is None else copies.local))
                 index = read_index(index_dir, who, requested_boxes(nested_values(sharded_state_dict)))
@@ -112,7 +115,6 @@ class LoadEngine:
                 loader = Loader(index, reader, rank, cfg.trust_objects, stream, whole)
                 dict_list_map_inplace(loader.load, sharded_state_dict)
             except Exception as e:
-                # the others' next gather: a tiered load's first step, else the sharing group's
                 first = recovery if recovery is not None else group
                 if first is not None:
                     shared_load(who).fail_together(e, first)  # the others raise naming this rank
@@ -153,10 +155,11 @@ class LoadEngine:
         return checkpoint_dir if copies is None else copies.index_dir
 
 
-def _copies(checkpoint_dir: str, manifest: Optional[TierManifest], who: str,
-            local_dir: Optional[str]) -> Optional[Copies]:
-    """Where a load reads the tiered checkpoint with ``manifest``; None for one that is not tiered (no manifest)."""
-    return None if manifest is None else copies_for_load(checkpoint_dir, manifest, who, local_dir)
+def _copies(checkpoint_dir: str, manifest: Optional[TierManifest], who: str, local_dir: Optional[str],
+            check: bool = True) -> Optional[Copies]:
+    """Where a load reads the tiered checkpoint with ``manifest``; None for one that is not tiered (no manifest).
+    ``check``: see ``copies_for_load``."""
+    return None if manifest is None else copies_for_load(checkpoint_dir, manifest, who, local_dir, check)
 
 
 class Loader:

@@ -6,8 +6,9 @@ checkpoint (same id); then the persistent tier, once the file was copied
 there and checked (the checkpoint durable, or the file's drain marker there:
 looked up only for the files a rank requests that its node lacks, and for a
 file whose nearer copies failed, so that a restart where the checkpoint was
-saved asks nothing of the persistent tier beyond its manifest and the markers
-of a save committed there, which must be of the checkpoint the manifest names).
+saved asks nothing of the persistent tier beyond its manifest, and, of one
+rank, the markers of a save committed there, which must be of the checkpoint
+the manifest names).
 Files this rank cannot reach are read by a rank that can (another node's
 local copy: ``read_exchange.py``); a copy whose bytes fail their checksums is
 left for the next one (``storage/reader.py``).
@@ -169,15 +170,22 @@ def tiers_manifest(checkpoint_dir: str) -> Optional[TierManifest]:
     return read_manifest(persistent_dir(checkpoint_dir))
 
 
-def copies_for_load(checkpoint_dir: str, manifest: TierManifest, who: str, local_dir: Optional[str] = None) -> Copies:
+def copies_for_load(checkpoint_dir: str, manifest: TierManifest, who: str, local_dir: Optional[str] = None,
+                    check: bool = True) -> Copies:
     """Where a load of the tiered checkpoint ``checkpoint_dir`` (``manifest``: its tiers manifest) reads.
 
     ``local_dir``: the local tier's root on this node (default: the one the
-    checkpoint records). Raises ``FastPersistError`` where no index of it can
-    be found, naming the newest durable checkpoint beside it.
+    checkpoint records). ``check``: whether this rank checks the manifest
+    against the index and ``.metadata`` committed beside it
+    (``state.check_current``, two reads of the persistent tier, the
+    ``.metadata`` as large as the checkpoint's chunk list): in a load whose
+    ranks fail together one rank does, and the others learn of its refusal at
+    the load's first collective. Raises ``FastPersistError`` where no index of
+    it can be found, naming the newest durable checkpoint beside it.
     """
     home, since = persistent_dir(checkpoint_dir), time.time()
-    check_current(home, manifest, who)
+    if check:
+        check_current(home, manifest, who)
     local = local_copy_dir(local_dir or manifest.local_dir, checkpoint_dir)
     copies = Copies(checkpoint_dir, manifest, local, local, home=None if home.local_path is not None else home,
                     local_ok=_same_checkpoint(local, manifest))
