@@ -395,7 +395,7 @@ def _copy_windows(fd: int, out: AtomicFile, windows: list[Window], where: str, w
                 raise item
             w, data, buffer = item
             out.write(memoryview(data)[: w.stop - w.start], aligned=True)
-            del item, data  # a mapped window: unmapped here
+            del item, data  # a mapped window is unmapped once the reader moved on too
             free.put(buffer)
     finally:
         free.put(None)  # a reader still waiting for a buffer stops
