@@ -91,13 +91,13 @@ class LoadEngine:
         who = f"rank {rank}"
         group = sharing_group(cfg.share_reads != "off", self.group)
         recovery = None  # a tiered load's group for bytes only other nodes hold, where it is not ``group``
+        first = group  # the others' next gather: a tiered load's first step (``recovery``), else the sharing group's
         with ExitStack() as closing:
             try:
                 manifest = tiers_manifest(checkpoint_dir)
                 if manifest is not None:
                     recovery = recovery_group(cfg.share_reads != "off", group)
-                # the others' next gather: a tiered load's first step, else the sharing group's
-                first = recovery if recovery is not None else group
+                    first = recovery if recovery is not None else group
                 copies = _copies(checkpoint_dir, manifest, who, cfg.local_dir,
                                  first is None or dist.get_rank(first) == 0)
                 index_dir = checkpoint_dir if copies is None else copies.index_dir
@@ -115,7 +115,6 @@ class LoadEngine:
                 loader = Loader(index, reader, rank, cfg.trust_objects, stream, whole)
                 dict_list_map_inplace(loader.load, sharded_state_dict)
             except Exception as e:
-                first = recovery if recovery is not None else group
                 if first is not None:
                     shared_load(who).fail_together(e, first)  # the others raise naming this rank
                 raise

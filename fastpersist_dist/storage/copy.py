@@ -127,8 +127,8 @@ def check_file(src: str, spans: list[Span], size: int, who: str) -> None:
     fd = _open_source(src, who, size)
     try:
         chunks = chunk_plan(spans)
-        if _in_memory(src) and size:
-            whole = memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+        whole = _mapped_if_in_memory(fd, src, size)
+        if whole is not None:
             for chunk in chunks:
                 check_chunk(whole[chunk[0].start : chunk[-1].end], chunk, src, who)
             return
@@ -343,8 +343,7 @@ def _read_windows(fd: int, windows: list[Window], free: queue.Queue[Optional[mma
                 return
             wait(w.read_end)
             if mapped:
-                data = mmap.mmap(fd, w.read_end - w.start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
-                                 offset=w.start)
+                data = _mapping(fd, w.read_end - w.start, w.start)
             else:
                 data, carried = buffer, 0
                 if previous is not None:  # bytes past the previous window's stop, checked there
@@ -405,6 +404,16 @@ def _copy_windows(fd: int, out: AtomicFile, windows: list[Window], where: str, w
 def _in_memory(src: str) -> bool:
     """Whether ``src`` is on an in-memory filesystem: its windows are mapped, not read (:func:`_copy_windows`)."""
     return on_memory_filesystem(os.path.dirname(src) or ".")
+
+
+def _mapping(fd: int, length: int, offset: int = 0) -> mmap.mmap:
+    """Bytes [offset, offset + length) of the file ``fd``, mapped read-only (``offset`` page-aligned)."""
+    return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
+
+
+def _mapped_if_in_memory(fd: int, src: str, size: int) -> Optional[memoryview]:
+    """The whole of ``src`` (open as ``fd``, ``size`` bytes) mapped where it is in memory, else None: read it."""
+    return memoryview(_mapping(fd, size)) if size and _in_memory(src) else None
 
 
 def _open_source(src: str, who: str, size: int) -> int:
@@ -500,9 +509,7 @@ class CheckedFile(io.RawIOBase):
         self.path, self._spans, self._size, self._who = path, spans, size, who
         self._fd = -1  # until open: a close() (the garbage collector's) must not close a reused number
         self._fd = _open_source(path, who, size)
-        self._mapped: Optional[memoryview] = None
-        if _in_memory(path) and size:
-            self._mapped = memoryview(mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+        self._mapped = _mapped_if_in_memory(self._fd, path, size)
         self._pos = 0
         self._held: tuple[int, memoryview] = (-1, memoryview(b""))  # (span index, its checked bytes)
         self._starts = [s.start for s in spans]
