@@ -16,7 +16,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 
@@ -218,3 +218,26 @@ def _ops_loaded_before_the_ranks_fork() -> None:
     if torch.cuda.is_available():  # asked through NVML (tests/__init__.py): CUDA is not initialized here
         return  # a build for CUDA may ask the device for its architecture, which no rank forked after could use
     preload_ops(WriteConfig())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _megatrons_results_queue_forked() -> None:
+    """megatron's torch_dist writer, run here as the reference our results are compared with, hands its write
+    results over through a ``multiprocessing`` manager it starts once per process with "spawn": a new
+    interpreter that imports torch to unpickle the first result, 3 s per rank on two cores, in every test's
+    fresh ranks (a quarter of the contract tests' time, on each stack). Here each process starts it by forking
+    itself instead, torch already imported; the queue, its use and the checkpoint are megatron's own.
+    Installed before any rank forks, so every rank starts its own."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def results_queue(*_: object, **__: object) -> Any:
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+        return filesystem_async._results_queue
+
+    # its name on megatron-core 0.17+ (whose mp_mode argument defaults to "spawn"), and on 0.16
+    for name in ("get_write_results_queue", "_get_write_results_queue"):
+        if hasattr(filesystem_async, name):
+            setattr(filesystem_async, name, results_queue)
