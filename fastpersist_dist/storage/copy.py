@@ -406,14 +406,30 @@ def _in_memory(src: str) -> bool:
     return on_memory_filesystem(os.path.dirname(src) or ".")
 
 
-def _mapping(fd: int, length: int, offset: int = 0) -> mmap.mmap:
-    """Bytes [offset, offset + length) of the file ``fd``, mapped read-only (``offset`` page-aligned)."""
+def _mapping(fd: int, length: int, offset: int = 0, writable: bool = False) -> mmap.mmap:
+    """Bytes [offset, offset + length) of the file ``fd``, mapped read-only (``offset`` page-aligned); or
+    ``writable``, copy-on-write: for a consumer that takes only writable memory (a tensor), never written."""
+    if writable:
+        return mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
     return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
 
 
 def _mapped_if_in_memory(fd: int, src: str, size: int) -> Optional[memoryview]:
     """The whole of ``src`` (open as ``fd``, ``size`` bytes) mapped where it is in memory, else None: read it."""
     return memoryview(_mapping(fd, size)) if size and _in_memory(src) else None
+
+
+def sendable_in_place(fd: int, src: str, size: int) -> bool:
+    """Whether ``src`` (open as ``fd``) is in memory and holds ``size`` bytes: sent from its own pages
+    (:func:`mapped_range`), its bytes are copied once (into the socket) rather than twice."""
+    return bool(size) and _in_memory(src) and os.fstat(fd).st_size >= size
+
+
+def mapped_range(fd: int, start: int, end: int) -> memoryview:
+    """Bytes [start, end) of the file ``fd``, mapped copy-on-write: writable for a consumer that takes only
+    writable memory (a tensor to send), never written; unmapped when the last view of it goes."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    return memoryview(_mapping(fd, end - base, base, writable=True))[start - base :]
 
 
 def _open_source(src: str, who: str, size: int) -> int:

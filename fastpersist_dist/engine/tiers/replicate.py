@@ -3,9 +3,10 @@
 Runs on every rank's replication thread after the local commit, over a gloo
 group of its own (``topology.replication_group``). Both ends of a transfer
 read the same index from their node's copy, so they cut the file into the
-same chunks of whole checksum blocks (``storage/copy.py``); the sender reads
-each chunk into one of two buffers and sends it while reading the next, the
-receiver checks each chunk against its checksums while the next arrives (a
+same chunks of whole checksum blocks (``storage/copy.py``); the sender sends
+each chunk from the file's own pages where the local tier is in memory (a
+tmpfs), else reads it into one of two buffers and sends it while reading the
+next, the receiver checks each chunk against its checksums while the next arrives (a
 rank's sends run on a thread of their own beside its receives, so that both
 directions of a pair of nodes move at once), and
 renames the file into its node's copy only when every block matched. A block
@@ -37,7 +38,8 @@ import torch.distributed as dist
 
 from ...format.tiers import REPLICATED, TierManifest
 from ...plan.replicas import ReplicaTransfer, replica_transfers
-from ...storage.copy import AtomicFile, Span, block_spans, check_chunk, chunk_plan
+from ...storage.copy import (AtomicFile, Span, block_spans, check_chunk, chunk_plan, mapped_range,
+                              sendable_in_place)
 from ...util.errors import CorruptCheckpointError
 from ...util.per_process import PerProcess
 from ..index_reader import read_index
@@ -130,15 +132,20 @@ def _describe(m: TierManifest) -> str:
 
 def _buffers(chunks: list[list[Span]]) -> list[torch.Tensor]:
     most = max((c[-1].end - c[0].start for c in chunks), default=0)
-    return [torch.empty(most, dtype=torch.uint8) for _ in range(2 if len(chunks) > 1 else 1)]
+    return [torch.empty(most, dtype=torch.uint8) for _ in range(_slots(chunks))]
+
+
+def _slots(chunks: list[list[Span]]) -> int:
+    """Chunks in flight at once: two (one moves while the next is read or checked), one where there is one."""
+    return 2 if len(chunks) > 1 else 1
 
 
 def _send(t: ReplicaTransfer, path: str, spans: list[Span], group: dist.ProcessGroup, who: str) -> bool:
-    """Send ``path`` to ``t.dst`` chunk by chunk; a chunk that cannot be read goes as zeros (the receiver's
-    checksums reject it) so that both ends stay in step. Whether every chunk was read."""
+    """Send ``path`` to ``t.dst`` chunk by chunk: from its pages where it is in memory, else read into buffers;
+    a chunk that cannot be read goes as zeros (the receiver's checksums reject it) so that both ends stay in
+    step. Whether every chunk was read."""
     chunks = chunk_plan(spans)
-    buffers = _buffers(chunks)
-    pending: list[Optional[dist.Work]] = [None] * len(buffers)
+    pending: list[Optional[dist.Work]] = [None] * _slots(chunks)
     ok = True
     try:
         fd: Optional[int] = os.open(path, os.O_RDONLY)
@@ -146,10 +153,17 @@ def _send(t: ReplicaTransfer, path: str, spans: list[Span], group: dist.ProcessG
         logger.error("fastpersist: %s: cannot read %s to send it to rank %d: %s", who, path, t.dst, e)
         fd, ok = None, False
     try:
+        in_place = fd is not None and bool(chunks) and sendable_in_place(fd, path, chunks[-1][-1].end)
+        buffers = [] if in_place else _buffers(chunks)
         for i, chunk in enumerate(chunks):
-            slot = i % len(buffers)
+            slot = i % len(pending)
             if pending[slot] is not None:
                 pending[slot].wait(chunk_wait())
+            if in_place:  # a chunk's mapping goes with its send: no more mapped at once than two buffers hold
+                assert fd is not None
+                pages = mapped_range(fd, chunk[0].start, chunk[-1].end)
+                pending[slot] = group.send([torch.frombuffer(pages, dtype=torch.uint8)], t.dst, TAG)
+                continue
             view = buffers[slot][: chunk[-1].end - chunk[0].start]
             if fd is not None:
                 try:
