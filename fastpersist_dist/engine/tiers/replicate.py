@@ -3,10 +3,12 @@
 Runs on every rank's replication thread after the local commit, over a gloo
 group of its own (``topology.replication_group``). Both ends of a transfer
 read the same index from their node's copy, so they cut the file into the
-same chunks of whole checksum blocks (``storage/copy.py``); the sender sends
-each chunk from the file's own pages where the local tier is in memory (a
-tmpfs), else reads it into one of two buffers and sends it while reading the
-next, the receiver checks each chunk against its checksums while the next arrives (a
+same chunks of whole checksum blocks (``storage/copy.py``). Where the local
+tier is in memory (a tmpfs) the sender sends each chunk from the file's own
+pages and the receiver receives it into its place in the new file, both
+mapped; elsewhere the sender reads each chunk into one of two buffers and
+sends it while reading the next, and the receiver receives into two. The
+receiver checks each chunk against its checksums while the next arrives (a
 rank's sends run on a thread of their own beside its receives, so that both
 directions of a pair of nodes move at once), and
 renames the file into its node's copy only when every block matched. A block
@@ -190,34 +192,47 @@ def _send(t: ReplicaTransfer, path: str, spans: list[Span], group: dist.ProcessG
 
 
 def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication, who: str) -> bool:
-    """Receive ``t.data_file`` from ``t.src`` into this node's copy, checked; whether it is there now."""
+    """Receive ``t.data_file`` from ``t.src`` into this node's copy, checked; whether it is there now. In memory
+    (a tmpfs) each chunk arrives in its place in the new file, mapped, and is checked there; elsewhere it
+    arrives in one of two buffers and is checked and written from there while the next arrives."""
     chunks = chunk_plan(spans)
-    buffers = _buffers(chunks)
     sender = f"rank {t.src}'s copy of {t.data_file} (node {job.manifest.node_of(t.src)})"
-
-    def post(i: int) -> dist.Work:
-        chunk = chunks[i]
-        return job.group.recv([buffers[i % len(buffers)][: chunk[-1].end - chunk[0].start]], t.src, TAG)
-
+    buffers: list[torch.Tensor] = []
     error: Optional[Exception] = None
     out: Optional[AtomicFile] = None
-    reused = False
+    in_place = reused = False
     try:
         out = AtomicFile(path, job.recycled)
+        in_place = bool(chunks) and out.in_place(chunks[-1][-1].end)
     except OSError as e:  # e.g. the local tier is full or gone: received all the same, and dropped
         error = e
+        if out is not None:
+            out.abandon()
+            out = None
+
+    def post(i: int) -> tuple[torch.Tensor, dist.Work]:
+        chunk = chunks[i]
+        if in_place and out is not None:
+            into = torch.frombuffer(out.window(chunk[0].start, chunk[-1].end), dtype=torch.uint8)
+        else:  # also where the file was given up: received and dropped, in step with the sender
+            if not buffers:
+                buffers.extend(_buffers(chunks))
+            into = buffers[i % len(buffers)][: chunk[-1].end - chunk[0].start]
+        return into, job.group.recv([into], t.src, TAG)
+
     try:
-        work = post(0) if chunks else None
+        arriving = post(0) if chunks else None
         for i, chunk in enumerate(chunks):
-            assert work is not None
+            assert arriving is not None
+            data, work = arriving
             work.wait(chunk_wait())
-            data = buffers[i % len(buffers)][: chunk[-1].end - chunk[0].start]
-            work = post(i + 1) if i + 1 < len(chunks) else None
+            arriving = post(i + 1) if i + 1 < len(chunks) else None
             if out is None:
-                continue  # a bad block or a failed write earlier: received and dropped, in step with the sender
+                continue  # a bad block or a failed write earlier
             try:
                 check_chunk(memoryview(data.numpy()), chunk, sender, who)
-                out.write(memoryview(data.numpy()))
+                if not in_place:
+                    out.write(memoryview(data.numpy()))
             except (CorruptCheckpointError, OSError) as e:
                 error = e
                 out.abandon()
@@ -237,6 +252,6 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
         logger.error("fastpersist: %s: the replica of %s from rank %d was not kept: %s", who, t.data_file, t.src,
                      error)
         return False
-    logger.debug("fastpersist: %s: received the replica of %s from rank %d, every block checked%s", who, t.data_file,
-                 t.src, ", over a retired file" if reused else "")
+    logger.debug("fastpersist: %s: received the replica of %s from rank %d, every block checked%s%s", who,
+                 t.data_file, t.src, " in place" if in_place else "", ", over a retired file" if reused else "")
     return True
