@@ -1,12 +1,10 @@
 """One replica's transfer between two ranks over gloo: it arrives whole and checked, or not at all.
 
-Real ranks, a real process group and real files, on the disk (sent from and
-received into buffers) and on tmpfs (sent from the file's pages and received
-into the new file's pages, mapped). The file spans three chunks (two of 64
-MiB, a short one), so a damaged block in the first leaves two more to
-receive and drop in step with the sender (the second already on its way into
-the file given up, the third into a buffer): a good file sent next must
-still arrive.
+Real ranks, a real process group and real files, on the disk (sent from
+buffers) and on tmpfs (sent from the file's own pages, mapped). The file
+spans three chunks (two of 64 MiB, a short one), so a damaged block in the
+first leaves two more to receive and drop in step with the sender: a good
+file sent next must still arrive.
 """
 
 from __future__ import annotations
@@ -89,8 +87,6 @@ def test_a_replica_arrives_whole_or_is_dropped_in_step_with_its_sender(nodes_dir
     assert receiver["results"] == {"bad.distcp": False, "bad.distcp whole": False, "good.distcp": True,
                                    "good.distcp whole": True}, receiver
     assert receiver["left"] == ["good.distcp"] and not any(n.endswith(TMP_SUFFIX) for n in receiver["left"])
-    in_memory = nodes_dir.startswith("/dev/shm")
     assert any("the replica of bad.distcp from rank 0 was not kept" in m and f"at byte offset {BLOCK} (block 1"
                in m for m in receiver["logged"]), receiver["logged"]
-    received = [m for m in receiver["logged"] if "received the replica of good.distcp" in m]
-    assert len(received) == 1 and received[0].endswith("every block checked in place") == in_memory, received
+    assert sum("received the replica of good.distcp" in m for m in receiver["logged"]) == 1, receiver["logged"]

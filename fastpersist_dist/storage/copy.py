@@ -22,7 +22,6 @@ client that reads it by its path.
 
 from __future__ import annotations
 
-import errno
 import io
 import mmap
 import os
@@ -152,8 +151,7 @@ class AtomicFile:
     the file cut back to its length at :meth:`commit`. On an in-memory
     filesystem, ``reuse_from`` (a pool of retired files, ``storage/recycle.py``)
     gives a file to overwrite in place where it holds one (:attr:`reused`),
-    also cut to its length at :meth:`commit`; and the file may be written
-    through a mapping instead of ``write`` (:meth:`in_place`).
+    also cut to its length at :meth:`commit`.
     """
 
     def __init__(self, path: str, reuse_from: Optional[str] = None):
@@ -164,9 +162,8 @@ class AtomicFile:
         self._staged = 0  # bytes in the staging buffer, not yet written
         self._length = 0  # bytes given to write()
         self.reused = False
-        self._in_memory = on_memory_filesystem(os.path.dirname(path) or ".")
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC  # read too: a file in memory may be mapped (in_place)
-        if not self._in_memory:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        if not on_memory_filesystem(os.path.dirname(path) or "."):
             if hasattr(os, "O_DIRECT"):
                 try:
                     self._fd = os.open(self._tmp, flags | os.O_DIRECT, 0o644)
@@ -200,28 +197,6 @@ class AtomicFile:
             view = view[n:]
             if self._staged == STAGING_BYTES:
                 self._flush(STAGING_BYTES)
-
-    def in_place(self, size: int) -> bool:
-        """Where the file is in memory and nothing was written yet: make it ``size`` bytes long, its space
-        allocated, to be written in place through :meth:`window` (no copy through ``write``); whether it is.
-        A full filesystem refuses here (``OSError``), not with a SIGBUS at a page written through a mapping."""
-        assert self._fd is not None
-        if not self._in_memory or self._length or not size:
-            return False
-        try:
-            os.posix_fallocate(self._fd, 0, size)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):  # no allocation ahead there: write() it
-                raise
-            return False
-        os.ftruncate(self._fd, size)  # a retired file taken to be overwritten may be longer
-        self._length = size
-        return True
-
-    def window(self, start: int, end: int) -> memoryview:
-        """Bytes [start, end) of a file made :meth:`in_place`, mapped for writing."""
-        assert self._fd is not None and self._length >= end
-        return _mapped_range(self._fd, start, end, mmap.ACCESS_WRITE)
 
     def _flush(self, nbytes: int) -> None:
         """Write the staging buffer's first ``nbytes`` (a multiple of DIRECT_ALIGN); keep the rest at its start."""
@@ -431,17 +406,12 @@ def _in_memory(src: str) -> bool:
     return on_memory_filesystem(os.path.dirname(src) or ".")
 
 
-def _mapping(fd: int, length: int, offset: int = 0, access: int = mmap.ACCESS_READ) -> mmap.mmap:
-    """Bytes [offset, offset + length) of the file ``fd`` mapped (``offset`` page-aligned): read-only by default;
-    ``mmap.ACCESS_COPY`` copy-on-write, for a consumer that takes only writable memory (a tensor to send), never
-    written; ``mmap.ACCESS_WRITE`` to write the file in place."""
-    return mmap.mmap(fd, length, access=access, offset=offset)
-
-
-def _mapped_range(fd: int, start: int, end: int, access: int) -> memoryview:
-    """Bytes [start, end) of the file ``fd`` mapped (:func:`_mapping`); unmapped when the last view of it goes."""
-    base = start - start % mmap.ALLOCATIONGRANULARITY
-    return memoryview(_mapping(fd, end - base, base, access))[start - base :]
+def _mapping(fd: int, length: int, offset: int = 0, writable: bool = False) -> mmap.mmap:
+    """Bytes [offset, offset + length) of the file ``fd``, mapped read-only (``offset`` page-aligned); or
+    ``writable``, copy-on-write: for a consumer that takes only writable memory (a tensor), never written."""
+    if writable:
+        return mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+    return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
 
 
 def _mapped_if_in_memory(fd: int, src: str, size: int) -> Optional[memoryview]:
@@ -451,14 +421,15 @@ def _mapped_if_in_memory(fd: int, src: str, size: int) -> Optional[memoryview]:
 
 def sendable_in_place(fd: int, src: str, size: int) -> bool:
     """Whether ``src`` (open as ``fd``) is in memory and holds ``size`` bytes: sent from its own pages
-    (:func:`mapped_range`), its bytes are copied once (into the socket) rather than twice."""
+    (:func:`pages_to_send`), its bytes are copied once (into the socket) rather than twice."""
     return bool(size) and _in_memory(src) and os.fstat(fd).st_size >= size
 
 
-def mapped_range(fd: int, start: int, end: int) -> memoryview:
+def pages_to_send(fd: int, start: int, end: int) -> memoryview:
     """Bytes [start, end) of the file ``fd``, mapped copy-on-write: writable for a consumer that takes only
-    writable memory (a tensor to send), never written."""
-    return _mapped_range(fd, start, end, mmap.ACCESS_COPY)
+    writable memory (a tensor to send), never written; unmapped when the last view of it goes."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    return memoryview(_mapping(fd, end - base, base, writable=True))[start - base :]
 
 
 def _open_source(src: str, who: str, size: int) -> int:

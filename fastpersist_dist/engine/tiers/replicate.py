@@ -3,12 +3,10 @@
 Runs on every rank's replication thread after the local commit, over a gloo
 group of its own (``topology.replication_group``). Both ends of a transfer
 read the same index from their node's copy, so they cut the file into the
-same chunks of whole checksum blocks (``storage/copy.py``). Where the local
-tier is in memory (a tmpfs) the sender sends each chunk from the file's own
-pages and the receiver receives it into its place in the new file, both
-mapped; elsewhere the sender reads each chunk into one of two buffers and
-sends it while reading the next, and the receiver receives into two. The
-receiver checks each chunk against its checksums while the next arrives (a
+same chunks of whole checksum blocks (``storage/copy.py``); the sender sends
+each chunk from the file's own pages where the local tier is in memory (a
+tmpfs), else reads it into one of two buffers and sends it while reading the
+next, the receiver checks each chunk against its checksums while the next arrives (a
 rank's sends run on a thread of their own beside its receives, so that both
 directions of a pair of nodes move at once), and
 renames the file into its node's copy only when every block matched. A block
@@ -40,7 +38,7 @@ import torch.distributed as dist
 
 from ...format.tiers import REPLICATED, TierManifest
 from ...plan.replicas import ReplicaTransfer, replica_transfers
-from ...storage.copy import (AtomicFile, Span, block_spans, check_chunk, chunk_plan, mapped_range,
+from ...storage.copy import (AtomicFile, Span, block_spans, check_chunk, chunk_plan, pages_to_send,
                               sendable_in_place)
 from ...util.errors import CorruptCheckpointError
 from ...util.per_process import PerProcess
@@ -163,7 +161,7 @@ def _send(t: ReplicaTransfer, path: str, spans: list[Span], group: dist.ProcessG
                 pending[slot].wait(chunk_wait())
             if in_place:  # a chunk's mapping goes with its send: no more mapped at once than two buffers hold
                 assert fd is not None
-                pages = mapped_range(fd, chunk[0].start, chunk[-1].end)
+                pages = pages_to_send(fd, chunk[0].start, chunk[-1].end)
                 pending[slot] = group.send([torch.frombuffer(pages, dtype=torch.uint8)], t.dst, TAG)
                 continue
             view = buffers[slot][: chunk[-1].end - chunk[0].start]
@@ -192,47 +190,34 @@ def _send(t: ReplicaTransfer, path: str, spans: list[Span], group: dist.ProcessG
 
 
 def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication, who: str) -> bool:
-    """Receive ``t.data_file`` from ``t.src`` into this node's copy, checked; whether it is there now. In memory
-    (a tmpfs) each chunk arrives in its place in the new file, mapped, and is checked there; elsewhere it
-    arrives in one of two buffers and is checked and written from there while the next arrives."""
+    """Receive ``t.data_file`` from ``t.src`` into this node's copy, checked; whether it is there now."""
     chunks = chunk_plan(spans)
+    buffers = _buffers(chunks)
     sender = f"rank {t.src}'s copy of {t.data_file} (node {job.manifest.node_of(t.src)})"
-    buffers: list[torch.Tensor] = []
+
+    def post(i: int) -> dist.Work:
+        chunk = chunks[i]
+        return job.group.recv([buffers[i % len(buffers)][: chunk[-1].end - chunk[0].start]], t.src, TAG)
+
     error: Optional[Exception] = None
     out: Optional[AtomicFile] = None
-    in_place = reused = False
+    reused = False
     try:
         out = AtomicFile(path, job.recycled)
-        in_place = bool(chunks) and out.in_place(chunks[-1][-1].end)
     except OSError as e:  # e.g. the local tier is full or gone: received all the same, and dropped
         error = e
-        if out is not None:
-            out.abandon()
-            out = None
-
-    def post(i: int) -> tuple[torch.Tensor, dist.Work]:
-        chunk = chunks[i]
-        if in_place and out is not None:
-            into = torch.frombuffer(out.window(chunk[0].start, chunk[-1].end), dtype=torch.uint8)
-        else:  # also where the file was given up: received and dropped, in step with the sender
-            if not buffers:
-                buffers.extend(_buffers(chunks))
-            into = buffers[i % len(buffers)][: chunk[-1].end - chunk[0].start]
-        return into, job.group.recv([into], t.src, TAG)
-
     try:
-        arriving = post(0) if chunks else None
+        work = post(0) if chunks else None
         for i, chunk in enumerate(chunks):
-            assert arriving is not None
-            data, work = arriving
+            assert work is not None
             work.wait(chunk_wait())
-            arriving = post(i + 1) if i + 1 < len(chunks) else None
+            data = buffers[i % len(buffers)][: chunk[-1].end - chunk[0].start]
+            work = post(i + 1) if i + 1 < len(chunks) else None
             if out is None:
-                continue  # a bad block or a failed write earlier
+                continue  # a bad block or a failed write earlier: received and dropped, in step with the sender
             try:
                 check_chunk(memoryview(data.numpy()), chunk, sender, who)
-                if not in_place:
-                    out.write(memoryview(data.numpy()))
+                out.write(memoryview(data.numpy()))
             except (CorruptCheckpointError, OSError) as e:
                 error = e
                 out.abandon()
@@ -252,6 +237,6 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
         logger.error("fastpersist: %s: the replica of %s from rank %d was not kept: %s", who, t.data_file, t.src,
                      error)
         return False
-    logger.debug("fastpersist: %s: received the replica of %s from rank %d, every block checked%s%s", who,
-                 t.data_file, t.src, " in place" if in_place else "", ", over a retired file" if reused else "")
+    logger.debug("fastpersist: %s: received the replica of %s from rank %d, every block checked%s", who, t.data_file,
+                 t.src, ", over a retired file" if reused else "")
     return True
