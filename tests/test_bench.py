@@ -227,7 +227,8 @@ def test_bench_train_command_writes_json(tmp_path):
     assert list(rows) == ["none", "fastpersist", "fastpersist_tiered"] and report["save_steps"] == [2]
     assert (report["nodes"], report["replicas"]) == (2, 1)
     tiered = rows["fastpersist_tiered"]
-    assert tiered["persisted_s"] >= tiered["durable_s"] > 0 and tiered["replicated_s"] >= tiered["durable_s"], tiered
+    # durable is the time its manifest records, the local commit and the replicas what the loop sees at a step
+    assert tiered["persisted_s"] > 0 and tiered["replicated_s"] >= tiered["durable_s"] > 0, tiered
     assert all(tiered["restart"][k] > 0 for k in ("from_local_s", "from_persistent_s", "local_read_bound_s",
                                                   "local_checksummed_read_bound_s"))
     # TP=2 (the default) x DP=1: each rank loads its half of the state and the small tensors every rank holds whole
@@ -236,6 +237,7 @@ def test_bench_train_command_writes_json(tmp_path):
     assert 0 < extra < 0.01 * restart["bound_bytes_per_rank"], restart
     assert f"each rank loading {restart['loaded_bytes_per_rank'] / 2**30:.3f} GiB" in proc.stdout, proc.stdout
     assert "fastpersist_tiered: local commit" in proc.stdout and "from the persistent tier" in proc.stdout
+    assert "s after it (as its manifest records)" in proc.stdout, proc.stdout
     assert "on 2 nodes of this machine (replicas=1)" in proc.stdout and ", replicated (each node's" in proc.stdout
     where = report["filesystems"]
     assert set(where) == {report["directory"], str(local)} and where[str(local)], where

@@ -68,5 +68,5 @@ def test_markers_gone_because_the_checkpoint_became_durable_meanwhile_find_every
     for name in os.listdir(home):  # what the drain's commit does: the state durable, the markers removed
         if name.startswith(".fastpersist_drained."):
             os.unlink(os.path.join(home, name))
-    PosixDir(home).write(TIERS_FILE, copies.manifest.with_state(DURABLE).to_json_bytes())
+    PosixDir(home).write(TIERS_FILE, copies.manifest.with_state(DURABLE, time.time()).to_json_bytes())
     assert copies.further("__1_0.distcp") and copies.of("__1_0.distcp") == (local, home)

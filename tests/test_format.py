@@ -11,11 +11,13 @@ from fastpersist_dist.format.checksum import digest_bytes
 from fastpersist_dist.format.coverage import coverage_errors
 from fastpersist_dist.format.records import (
     CONTAINER_TORCH_SAVE,
+    INDEX_FILE,
     CheckpointIndex,
     ShardRecord,
     _canonical,
     data_file_name,
 )
+from fastpersist_dist.format.tiers import DURABLE, LOCAL, REPLICATED, TierManifest
 from fastpersist_dist.plan.writes import place_in_rank_file
 from fastpersist_dist.util.errors import CorruptCheckpointError, FastPersistError
 
@@ -133,3 +135,28 @@ def test_overlap_sweep_finds_far_pairs_and_no_false_ones():
     errors = coverage_errors(rows[:40] + rows[49:] + [long, rows[47]], complete=False)
     assert len(errors) == 1 and "(47, 0)" in errors[0] and "(40, 0)" in errors[0], errors
     assert coverage_errors(rows[:10], complete=False) == []  # one group's share of a tensor: no gap reported
+
+
+def test_a_tiers_manifest_keeps_when_each_state_was_reached():
+    """``reached`` survives the round trip; a manifest written before the times were kept reads with none; a
+    time for a state the checkpoint has not reached is refused as damage."""
+    local = TierManifest(checkpoint_id="c1", checkpoint_dir="/p/c", local_dir="/l", nodes=((0,), (1,)),
+                         files={"__0_0.distcp": 0, "__1_0.distcp": 1}, index_files=(INDEX_FILE,),
+                         index_xxh3_64="0" * 16, state=LOCAL, created=100.0)
+    durable = local.with_state(REPLICATED, 101.5).with_state(DURABLE, 102.25)
+    assert durable.reached == {REPLICATED: 101.5, DURABLE: 102.25} and local.reached == {}
+    assert TierManifest.from_json_bytes(durable.to_json_bytes(), "m") == durable
+
+    def rewritten(manifest: TierManifest, edit) -> bytes:
+        body = json.loads(manifest.to_json_bytes())["body"]
+        edit(body)
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps({"body": body, "body_xxh3_64": digest_bytes(canonical)}).encode()
+
+    assert TierManifest.from_json_bytes(rewritten(durable, lambda b: b.pop("reached")), "m").reached == {}
+    early = rewritten(durable, lambda b: b.update(state=REPLICATED))
+    with pytest.raises(CorruptCheckpointError, match=r"m: times recorded for states \['durable', 'replicated'\] "
+                                                     "of a checkpoint that is replicated"):
+        TierManifest.from_json_bytes(early, "m")
+    with pytest.raises(CorruptCheckpointError, match="tiers manifest field missing or malformed"):
+        TierManifest.from_json_bytes(rewritten(durable, lambda b: b.update(reached={DURABLE: "soon"})), "m")

@@ -53,7 +53,7 @@ def _copy(local_dir: str, home: str, age: int, persistent: bool = True, durable:
     with open(os.path.join(copy, TIERS_FILE), "wb") as f:
         f.write(manifest.to_json_bytes())
     if held:
-        PosixDir(home).write(TIERS_FILE, manifest.with_state(DURABLE if durable else LOCAL).to_json_bytes())
+        PosixDir(home).write(TIERS_FILE, (manifest.with_state(DURABLE, time.time()) if durable else manifest).to_json_bytes())
     return copy, manifest
 
 

@@ -333,6 +333,8 @@ def test_drained_to_object_storage_and_restarted_from_it(cluster, s3):
     report = inspect_checkpoint(url)
     assert report.ok and report.index == "committed" and report.tiers is not None, report
     assert (report.tiers.state, report.tiers.drained, report.tiers.data_files) == ("durable", 4, 4), report.tiers
+    assert report.tiers.after_local_s["durable"] > 0, report.tiers  # the upload took time after the local commit
+    assert f"; durable {report.tiers.after_local_s['durable']:.2f} s later" in format_report(report)
     _wipe(cluster, 0)
     _wipe(cluster, 1)
     loaded, again = _loads(cluster, url, 1, {}, {}, msc=True, per_node=2)

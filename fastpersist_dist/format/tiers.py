@@ -18,6 +18,10 @@ that id), where its copies are, and, in the persistent directory, its state:
 * ``durable``: every data file copied to the persistent tier and checked
   against its checksums, the index committed there last.
 
+``created`` is when the checkpoint became ``local``; ``reached`` when each
+later state was recorded (wall clock), so that how long replication and the
+drain took can be read afterwards.
+
 A checkpoint saved ``persistent=False`` (local only) stays ``local``.
 
 Like the index, the manifest is canonical JSON with an XXH3 of its body.
@@ -28,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..util.errors import CorruptCheckpointError
@@ -69,6 +73,7 @@ class TierManifest:
     created: float  # unix time of the local commit
     persistent: bool = True  # False: a local checkpoint only, never copied to the persistent tier
     replica_nodes: tuple[tuple[int, ...], ...] = ()  # node -> the other nodes that hold its data files too
+    reached: dict[str, float] = field(default_factory=dict)  # a state after local -> unix time it was recorded
 
     def holders(self, data_file: str) -> tuple[int, ...]:
         """The nodes whose local tier holds ``data_file``: its rank's, then its replicas'."""
@@ -91,8 +96,9 @@ class TierManifest:
         """The data files ``node``'s local tier holds: its ranks' and the replicas it keeps for other nodes."""
         return sorted(f for f in self.files if node in self.holders(f))
 
-    def with_state(self, state: str) -> "TierManifest":
-        return replace(self, state=state)
+    def with_state(self, state: str, at: float) -> "TierManifest":
+        """This manifest in ``state``, reached at unix time ``at``."""
+        return replace(self, state=state, reached={**self.reached, state: at})
 
     def to_json_bytes(self) -> bytes:
         body = {
@@ -100,7 +106,7 @@ class TierManifest:
             "nodes": [list(r) for r in self.nodes], "files": dict(sorted(self.files.items())),
             "index_files": list(self.index_files), "index_xxh3_64": self.index_xxh3_64, "state": self.state,
             "created": self.created, "persistent": self.persistent,
-            "replica_nodes": [list(r) for r in self.replica_nodes],
+            "replica_nodes": [list(r) for r in self.replica_nodes], "reached": dict(sorted(self.reached.items())),
         }
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         return json.dumps({"body": body, "body_xxh3_64": digest_bytes(canonical)}, indent=1).encode()
@@ -125,6 +131,8 @@ class TierManifest:
                 index_xxh3_64=_text(body["index_xxh3_64"]), state=_text(body["state"]),
                 created=float(body["created"]), persistent=bool(body["persistent"]),
                 replica_nodes=tuple(tuple(int(n) for n in r) for r in body["replica_nodes"]),
+                # a manifest written before the times were recorded has none
+                reached={_text(s): float(t) for s, t in body.get("reached", {}).items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpointError(f"{where}: tiers manifest field missing or malformed: {e}") from None
@@ -144,6 +152,9 @@ def _check(m: TierManifest, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: the nodes' ranks {ranks} are not 0..N-1 once each")
     if m.state not in STATES:
         raise CorruptCheckpointError(f"{where}: unknown state {m.state!r} (known: {', '.join(STATES)})")
+    if not set(m.reached) <= set(STATES[1:STATES.index(m.state) + 1]):
+        raise CorruptCheckpointError(f"{where}: times recorded for states {sorted(m.reached)} of a checkpoint "
+                                     f"that is {m.state}")
     for name, rank in m.files.items():
         if "/" in name or name in ("", ".", "..") or not 0 <= rank < len(ranks):
             raise CorruptCheckpointError(f"{where}: data file {name!r} of rank {rank} is not one of its files")

@@ -16,6 +16,7 @@ local tier holds a copy of it. A tiered checkpoint on an object store
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -34,7 +35,7 @@ from ..format.records import (
     aux_copy_name,
     is_data_file,
 )
-from ..format.tiers import DURABLE, PENDING_DIR, TIERS_FILE, TierManifest, local_copy_dir
+from ..format.tiers import DURABLE, PENDING_DIR, STATES, TIERS_FILE, TierManifest, local_copy_dir
 from ..storage.files import file_digest
 from ..storage.persistent import PosixDir, is_object_store, persistent_dir
 from ..util.errors import FastPersistError, IncompleteCheckpointError
@@ -84,6 +85,8 @@ class TierSummary:
     drained: int  # data files copied to the persistent tier and checked
     local_copy: str  # where this machine's local tier keeps the checkpoint
     local_copy_state: str  # "this checkpoint", "none", or what else is there
+    created: float  # unix time of the local commit
+    after_local_s: dict[str, float]  # each later state reached -> seconds after the local commit
 
 
 @dataclass
@@ -184,7 +187,8 @@ def tier_summary(checkpoint_dir: str) -> Optional[TierSummary]:
         state=manifest.state, checkpoint_id=manifest.checkpoint_id, persistent=manifest.persistent,
         local_dir=manifest.local_dir, nodes=[list(n) for n in manifest.nodes],
         replica_nodes=[list(r) for r in manifest.replica_nodes], data_files=len(manifest.files), drained=drained,
-        local_copy=local, local_copy_state=_local_copy_state(local, manifest))
+        local_copy=local, local_copy_state=_local_copy_state(local, manifest), created=manifest.created,
+        after_local_s={s: manifest.reached[s] - manifest.created for s in STATES if s in manifest.reached})
 
 
 def _local_copy_state(local: str, manifest: TierManifest) -> str:
@@ -314,7 +318,9 @@ def _tier_lines(t: TierSummary) -> list[str]:
     where = (f"{t.drained} of {t.data_files} data files on the persistent tier" if t.persistent
              else "a local checkpoint only (persistent=False)")
     lines = [f"tiers: {t.state} ({meaning}); checkpoint id {t.checkpoint_id}; {where}",
-             f"  local tier: {t.local_dir} on each of {counted(len(t.nodes), 'node')}"]
+             f"  local tier: {t.local_dir} on each of {counted(len(t.nodes), 'node')}",
+             f"  local commit: {time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(t.created))}"
+             + "".join(f"; {state} {after:.2f} s later" for state, after in t.after_local_s.items())]
     for node, ranks in enumerate(t.nodes):
         replicas = f"; replicas on nodes {', '.join(map(str, t.replica_nodes[node]))}" if t.replica_nodes else ""
         lines.append(f"  node {node}: ranks {', '.join(map(str, ranks))}{replicas}")

@@ -27,7 +27,8 @@ the same instant, the least that a call which copies the state can block.
 A tiered contender (``fastpersist_tiered``: ``local_dir``, the persistent
 tier the bench directory or ``persistent``, a directory or ``msc://`` URL)
 also reports the time from the call until each checkpoint is durable on the
-persistent tier (polled after every step), and, after its last repetition, a
+persistent tier (the time its manifest records; the local commit is seen by the
+next step's finalize, as for the others), and, after its last repetition, a
 restart: that repetition's synchronous save loaded from the local tier, then,
 its local copy removed, from the persistent tier, beside the local tier's read
 bounds (the device bound's reads of each rank's even share of the state, plain
@@ -67,7 +68,7 @@ from ...format.tiers import DURABLE, TierManifest, local_copy_dir
 from ...integrations.megatron_lm_queue import queue_class
 from ...storage.host_copy import copy_to_host
 from ...storage.mounts import describe_filesystem
-from ...storage.persistent import PosixDir, is_object_store
+from ...storage.persistent import PosixDir, is_object_store, persistent_dir
 from ...storage.shared_memory import SharedBuffer
 from ...strategies.fastpersist_load import FastPersistLoadStrategy
 from ...strategies.fastpersist_save import FastPersistSaveStrategy
@@ -423,21 +424,30 @@ def _root(loop: LoopConfig, cp: _Checkpointer, run_name: str) -> str:
     return root
 
 
+def _durable_after(ckpt: str, called_at: float) -> float:
+    """Seconds from the save's call (unix time ``called_at``) to its state durable, as its manifest on the
+    persistent tier records it: exact, where the loop only sees the state at its next step."""
+    manifest = read_manifest(persistent_dir(ckpt))
+    if manifest is None or DURABLE not in manifest.reached:
+        raise RuntimeError(f"bench-train: {ckpt} is durable but its tiers manifest records no time for it")
+    return manifest.reached[DURABLE] - called_at
+
+
 def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], compute: StepCompute, cfg: LoopConfig,
              root: str, baseline: Optional[int] = None) -> LoopRun:
     """The loop with ``cp``'s checkpoints; times are this rank's; peak memory above ``baseline`` if given."""
     run = LoopRun()
-    pending: list[tuple[str, float]] = []  # called, not finalized: (checkpoint, call time)
-    draining: list[tuple[str, float]] = []  # tiered: finalized (local), not yet durable
+    pending: list[tuple[str, float, float]] = []  # called, not finalized: (checkpoint, call time, its unix time)
+    draining: list[tuple[str, float]] = []  # tiered: finalized (local), not yet durable: (checkpoint, unix time)
     replicating_now: list[tuple[str, float, TierManifest]] = []  # tiered with replicas: finalized, replicas not made
     peak = 0
 
     def finalized(count: int) -> None:
         for _ in range(count):
-            ckpt, call = pending.pop(0)
+            ckpt, call, called_at = pending.pop(0)
             run.durable_s.append(time.perf_counter() - call)
             if cp.tiered:
-                draining.append((ckpt, call))
+                draining.append((ckpt, called_at))
             if cp.replicas:
                 replicating_now.append((ckpt, call, _local_manifest(cfg, ckpt)))
 
@@ -456,23 +466,23 @@ def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], compute: 
                 ckpt = f"{root}/step{step}"
                 _prepare(ckpt)
                 run.overlapped.append(bool(pending))
-                call = time.perf_counter()
+                call, called_at = time.perf_counter(), time.time()
                 cp.save(sd, ckpt)
                 run.calls_s.append(time.perf_counter() - call)
-                pending.append((ckpt, call))
+                pending.append((ckpt, call, called_at))
             finalized(cp.finalize(blocking=False))
             while draining and checkpoint_state(draining[0][0]) == DURABLE:
-                run.persisted_s.append(time.perf_counter() - draining.pop(0)[1])
+                run.persisted_s.append(_durable_after(*draining.pop(0)))
             replicated()
             run.loop_s += time.perf_counter() - start
             if baseline is not None:
                 peak = max(peak, host_memory(cp.uses_writer) - baseline)
         start = time.perf_counter()
         finalized(cp.finalize(blocking=True))
-        for ckpt, call in draining:
+        for ckpt, called_at in draining:
             if not wait_durable(ckpt):
                 raise RuntimeError(f"bench-train: {ckpt} did not become durable")
-            run.persisted_s.append(time.perf_counter() - call)
+            run.persisted_s.append(_durable_after(ckpt, called_at))
         while replicating_now:
             replicated()
             time.sleep(0.005)
@@ -830,7 +840,7 @@ def format_loop_table(rep: dict) -> str:
         replicas = (f", replicated (each node's files also on {rep['replicas']} other node) {r['replicated_s']:.2f} s "
                     f"after it" if r.get("replicated_s") is not None else "")
         lines.append(f"{r['name']}: local commit {r['durable_s']:.2f} s after the call{replicas}, durable on the "
-                     f"persistent tier {r['persisted_s']:.2f} s after it{versus}; the drain "
+                     f"persistent tier {r['persisted_s']:.2f} s after it (as its manifest records){versus}; the drain "
                      f"{'followed the local write' if rep['drain_while_writing'] else 'started at the local commit'}")
         if r.get("restart"):
             s = r["restart"]
