@@ -414,15 +414,20 @@ def _mapping(fd: int, length: int, offset: int = 0, writable: bool = False) -> m
     return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
 
 
+def _mappable(src: str, size: int) -> bool:
+    """Whether ``size`` bytes of ``src`` are better mapped than read: some, in memory (nothing to read ahead)."""
+    return bool(size) and _in_memory(src)
+
+
 def _mapped_if_in_memory(fd: int, src: str, size: int) -> Optional[memoryview]:
     """The whole of ``src`` (open as ``fd``, ``size`` bytes) mapped where it is in memory, else None: read it."""
-    return memoryview(_mapping(fd, size)) if size and _in_memory(src) else None
+    return memoryview(_mapping(fd, size)) if _mappable(src, size) else None
 
 
 def sendable_in_place(fd: int, src: str, size: int) -> bool:
     """Whether ``src`` (open as ``fd``) is in memory and holds ``size`` bytes: sent from its own pages
     (:func:`pages_to_send`), its bytes are copied once (into the socket) rather than twice."""
-    return bool(size) and _in_memory(src) and os.fstat(fd).st_size >= size
+    return _mappable(src, size) and os.fstat(fd).st_size >= size
 
 
 def pages_to_send(fd: int, start: int, end: int) -> memoryview:

@@ -31,7 +31,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -141,52 +141,64 @@ def _slots(chunks: list[list[Span]]) -> int:
 
 
 def _send(t: ReplicaTransfer, path: str, spans: list[Span], group: dist.ProcessGroup, who: str) -> bool:
-    """Send ``path`` to ``t.dst`` chunk by chunk: from its pages where it is in memory, else read into buffers;
-    a chunk that cannot be read goes as zeros (the receiver's checksums reject it) so that both ends stay in
-    step. Whether every chunk was read."""
+    """Send ``path`` to ``t.dst`` chunk by chunk, a slot's next chunk once its last one is sent: from its pages
+    where it is in memory, else read into buffers; a chunk that cannot be read goes as zeros (the receiver's
+    checksums reject it) so that both ends stay in step. Whether every chunk was read."""
     chunks = chunk_plan(spans)
     pending: list[Optional[dist.Work]] = [None] * _slots(chunks)
-    ok = True
     try:
         fd: Optional[int] = os.open(path, os.O_RDONLY)
     except OSError as e:
         logger.error("fastpersist: %s: cannot read %s to send it to rank %d: %s", who, path, t.dst, e)
-        fd, ok = None, False
+        fd = None
+    unread: list[int] = []  # the first byte of each chunk sent as zeros
     try:
-        in_place = fd is not None and bool(chunks) and sendable_in_place(fd, path, chunks[-1][-1].end)
-        buffers = [] if in_place else _buffers(chunks)
-        for i, chunk in enumerate(chunks):
+        if fd is not None and chunks and sendable_in_place(fd, path, chunks[-1][-1].end):
+            chunk = _mapped_chunks(fd, chunks)
+        else:
+            chunk = _read_chunks(fd, path, chunks, unread, f"{who}: reading {path} to send it to rank {t.dst}")
+        for i in range(len(chunks)):
             slot = i % len(pending)
             if pending[slot] is not None:
                 pending[slot].wait(chunk_wait())
-            if in_place:  # a chunk's mapping goes with its send: no more mapped at once than two buffers hold
-                assert fd is not None
-                pages = pages_to_send(fd, chunk[0].start, chunk[-1].end)
-                pending[slot] = group.send([torch.frombuffer(pages, dtype=torch.uint8)], t.dst, TAG)
-                continue
-            view = buffers[slot][: chunk[-1].end - chunk[0].start]
-            if fd is not None:
-                try:
-                    got = os.preadv(fd, [memoryview(view.numpy())], chunk[0].start)
-                except OSError as e:
-                    got, error = 0, str(e)
-                else:
-                    error = "a short read"
-                if got != view.numel():
-                    logger.error("fastpersist: %s: reading %s at byte %d to send it to rank %d failed (%s)", who,
-                                 path, chunk[0].start, t.dst, error)
-                    view.zero_()
-                    ok = False
-            else:
-                view.zero_()
-            pending[slot] = group.send([view], t.dst, TAG)
+            pending[slot] = group.send([chunk(i)], t.dst, TAG)
         for work in pending:
             if work is not None:
                 work.wait(chunk_wait())
     finally:
         if fd is not None:
             os.close(fd)
-    return ok
+    return fd is not None and not unread
+
+
+def _mapped_chunks(fd: int, chunks: list[list[Span]]) -> Callable[[int], torch.Tensor]:
+    """Chunk i of the file ``fd`` (in memory), mapped: the mapping goes with its send, so no more is mapped at
+    once than two buffers would hold."""
+    return lambda i: torch.frombuffer(pages_to_send(fd, chunks[i][0].start, chunks[i][-1].end), dtype=torch.uint8)
+
+
+def _read_chunks(fd: Optional[int], path: str, chunks: list[list[Span]], unread: list[int], what: str
+                 ) -> Callable[[int], torch.Tensor]:
+    """Chunk i of ``path`` (open as ``fd``; None: it could not be opened) read into buffer i % slots, whose
+    last send is done; zeros where it cannot be read, its first byte added to ``unread``."""
+    buffers = _buffers(chunks)
+
+    def read(i: int) -> torch.Tensor:
+        start = chunks[i][0].start
+        view = buffers[i % len(buffers)][: chunks[i][-1].end - start]
+        if fd is not None:
+            try:
+                got, error = os.preadv(fd, [memoryview(view.numpy())], start), "a short read"
+            except OSError as e:
+                got, error = 0, str(e)
+            if got == view.numel():
+                return view
+            logger.error("fastpersist: %s at byte %d failed (%s)", what, start, error)
+        view.zero_()
+        unread.append(start)
+        return view
+
+    return read
 
 
 def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication, who: str) -> bool:
