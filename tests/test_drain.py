@@ -3,8 +3,8 @@ into the directory of a checkpoint still being drained.
 
 Every rank's drain writes into the same directory at once (its data file, its marker); rank 0 also removes
 what an earlier checkpoint of that name left. It must never remove what another rank of this checkpoint is
-writing: with ``drain_while_writing`` each rank copies its data file while it is written and leaves its marker
-right after the local commit, often while rank 0 is still clearing. A drain that copied a file for a save whose
+writing: for an async save each rank copies its data file once it is written (with ``drain_while_writing``,
+while it is written) and leaves its marker right after the local commit, often while rank 0 is still clearing. A drain that copied a file for a save whose
 finalize never ran removes its copy when the process exits.
 """
 
@@ -89,11 +89,11 @@ NEVER_FINALIZED = textwrap.dedent("""
     from fastpersist_dist import ASYNC_SAVE_KWARGS, FastPersistSaveStrategy, TierConfig
     from fastpersist_dist.storage.files import TMP_SUFFIX
 
-    local, ckpt = sys.argv[1:3]
+    local, ckpt, following = sys.argv[1:4]
     dist.init_process_group("gloo")
     w = torch.arange(4 << 20, dtype=torch.float32)
     sd = {"w": ShardedTensor.from_rank_offsets("w", w, replica_id=0)}
-    tiers = TierConfig(os.path.abspath(local), drain_while_writing=True)
+    tiers = TierConfig(os.path.abspath(local), drain_while_writing=following == "following")
     request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(tiers=tiers),
                                       async_sharded_save=True, **ASYNC_SAVE_KWARGS)
     request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)  # the write; its finalize never runs
@@ -103,12 +103,13 @@ NEVER_FINALIZED = textwrap.dedent("""
 """)
 
 
-def test_a_save_never_finalized_leaves_nothing_in_the_persistent_directory(tmp_path):
-    """The drain copied the data file while it was written and waits for the local commit, which never comes:
-    at exit the copy is removed, and the process ends."""
+@pytest.mark.parametrize("following", ["following", "once written"])
+def test_a_save_never_finalized_leaves_nothing_in_the_persistent_directory(tmp_path, following):
+    """The drain copied the data file while it was written (``drain_while_writing``), or once its writer was
+    done, and waits for the local commit, which never comes: at exit the copy is removed, and the process ends."""
     ckpt, local = tmp_path / "persistent" / "step1", tmp_path / "local"
     ckpt.mkdir(parents=True)
-    done = run_one_rank_script(NEVER_FINALIZED, str(local), str(ckpt))
+    done = run_one_rank_script(NEVER_FINALIZED, str(local), str(ckpt), following)
     assert done.returncode == 0 and "written" in done.stdout, done.stderr[-3000:]
     assert [n for n in os.listdir(local) if os.listdir(local / n)], "the local copy holds the written file"
     assert not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX) or is_data_file(n)], os.listdir(ckpt)

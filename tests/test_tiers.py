@@ -103,14 +103,17 @@ def _data_files(directory: str) -> list[str]:
 def test_each_node_keeps_its_share_and_loads_it_from_its_own_copy(cluster):
     """An async save: local at once, then durable, each rank's data file copied to the persistent directory while
     its writer wrote it (``drain_while_writing``); the persistent tier's data files are then removed, so the load
-    can only have read each node's own copy."""
+    can only have read each node's own copy. A second async save, by default, is copied once written, before its
+    local commit."""
     saved = _save(cluster, {"name": "s1", "step": 1, "async": True, "wait_durable": True,
-                            "drain_while_writing": True})
+                            "drain_while_writing": True}, {"name": "s2", "step": 2, "async": True, "wait_durable": True})
     (first, second) = (r["saves"][0] for r in saved)
     assert [first["state_after_save"], second["state_after_save"]] == ["local", "local"]
-    assert first["durable"] and second["durable"]
+    assert all(save["durable"] for r in saved for save in r["saves"]), saved
     for r in saved:
-        assert len(r["drained"]) == 1 and "while it was written" in r["drained"][0] and not r["warnings"], r
+        assert len(r["drained"]) == 2 and not r["warnings"], r
+        assert "while it was written" in r["drained"][0], r
+        assert "once written, before the local commit" in r["drained"][1], r
     for node in (0, 1):  # the node's own rank's data file and the whole index
         copy = _node_copy(cluster, node, "s1")
         assert {TIERS_FILE, INDEX_FILE} <= set(os.listdir(copy)) and len(_data_files(copy)) == 1, os.listdir(copy)

@@ -187,10 +187,12 @@ class TierConfig:
         (``fastpersist_dist.megatron_lm``).
     drain_while_writing: an async save's data files start their copy to a
         persistent directory while the writer is still writing them into the
-        local tier (put in place after the local commit, once they match the
-        index): durable sooner, but the copy competes with the local write and
-        the training loop (off by default: with 8 cores per rank the loop lost
-        four times as much per checkpoint with it; docs/tiers.md#benchmark).
+        local tier, rather than once it has written them (either way before
+        the local commit, put in place after it once they match the index):
+        durable sooner, but the copy competes with the local write and the
+        training loop (off by default: with 8 cores per rank the loop lost
+        three to four times as much per checkpoint with it;
+        docs/tiers.md#benchmark).
     """
 
     local_dir: str

@@ -1,13 +1,17 @@
 """The drain: a tiered checkpoint copied from the local tiers to the persistent tier, its index committed last.
 
 Each rank's drain job is queued when its save is prepared and waits for the
-local commit to hand it the manifest (``Drain.committed``). Meanwhile, where
-the persistent tier is a directory, it already copies the rank's data file
-there as the writer writes it (following its length, ``storage/copy.py``'s
-``copy_following``), under a temporary name, keeping each block's digest; the
-copy is put in place only if those equal the checksums of the committed index,
-and is made again from the local copy otherwise. To an object store the file
-is uploaded after the local commit. Either way every block is checked against
+local commit to hand it the manifest (``Drain.committed``). Meanwhile, for an
+async save to a persistent directory, it already copies the rank's data file
+there: once the rank's writer is done with it (its status file), or with
+``drain_while_writing`` as the writer writes it (following its length,
+``storage/copy.py``'s ``copy_following``). Either copy stays under a temporary
+name, keeping each block's digest, and is put in place only if those equal the
+checksums of the committed index, and is made again from the local copy
+otherwise; so the copy of a written file does not wait for the loop's next
+finalize, where the local commit runs. A synchronous save's data file (its
+caller waits for the write and commits right after) and a file for an object
+store (uploaded whole) are copied after the local commit. Either way every block is checked against
 the index, and the rank leaves a marker there naming the checkpoint. Rank 0's
 drain, once every rank's marker is there, copies the index files in commit
 order (the format's marker last), then records the state ``durable`` and
@@ -50,6 +54,7 @@ LONGEST_PAUSE_S = 30.0
 
 
 FOLLOW_POLL_S = 0.002  # how often a copy that follows a write looks at the file's length
+WRITTEN_POLL_S = 0.01  # how often a copy waiting for the whole file looks for the writer's status
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Planned:
     records: tuple[ShardRecord, ...]  # placed back to back, their checksums not known yet
     block_bytes: int  # the checksum block
     settling: int  # bytes at the end of the written part that may still change (storage.writer.settling_bytes)
+    whole: bool  # copied once the writer is done with it, rather than while it writes (drain_while_writing)
 
     @property
     def size(self) -> int:
@@ -76,7 +82,7 @@ class Drain:
     node: str  # this node, for messages
     data_file: str  # this rank's
     retry_s: float
-    planned: Optional[Planned]  # None: nothing to follow (no data file, or not copied while written)
+    planned: Optional[Planned]  # None: copied after the local commit (no data file, a synchronous save)
 
 
 def drain(job: Drain) -> None:
@@ -113,7 +119,9 @@ def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[Pend
             spans = block_spans([r for r in index.records if r.file == job.data_file], index.checksum_block_bytes,
                                 size, src)
             seconds = None if early is None else _taken(early, spans, who, src)
-            how = "after the local commit" if seconds is None else "while it was written"
+            how = "after the local commit" if seconds is None else (
+                "once written, before the local commit" if job.planned and job.planned.whole
+                else "while it was written")
             if seconds is None:
                 seconds = _retrying(lambda: home.put(job.data_file, src, spans, size, who), job.retry_s,
                                     f"{who}: copying {src} to {home.where(job.data_file)}")
@@ -181,20 +189,24 @@ class _Written:
             time.sleep(FOLLOW_POLL_S)
 
     def wait(self, end: int) -> None:
-        """Return once bytes [0, end) are final; raise where they never will be."""
+        """Return once bytes [0, end) are final (``Planned.whole``: once the writer is done); raise where they
+        never will be."""
         while True:
             self._gave_up()
             done = self._done()
-            if os.fstat(self.fd).st_size - (0 if done else self._planned.settling) >= end:
-                return
-            if done:
-                raise FastPersistError(f"{self.path} has {os.fstat(self.fd).st_size} bytes, not the {end} planned")
-            time.sleep(FOLLOW_POLL_S)
+            if done or not self._planned.whole:
+                if os.fstat(self.fd).st_size - (0 if done else self._planned.settling) >= end:
+                    return
+                if done:
+                    raise FastPersistError(f"{self.path} has {os.fstat(self.fd).st_size} bytes, not the {end} "
+                                           "planned")
+            time.sleep(WRITTEN_POLL_S if self._planned.whole else FOLLOW_POLL_S)
 
 
 def _follow(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy]:
-    """This rank's data file copied into a persistent directory while it is written; None where it is not
-    (an object store, nothing to write, the save failed, any error: the copy is then made after the commit)."""
+    """This rank's data file copied into a persistent directory before the local commit (once or while it is
+    written); None where it is not (an object store, a synchronous save, nothing to write, the save failed, any
+    error: the copy is then made after the commit)."""
     if job.planned is None or home.local_path is None:
         return None
     written = _Written(job, job.planned)
@@ -204,7 +216,7 @@ def _follow(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy]:
                               block_layout(list(job.planned.records), job.planned.block_bytes), job.planned.size,
                               who, written.wait)
     except (FastPersistError, OSError) as e:
-        logger.debug("fastpersist: %s: not copying %s while it is written: %s", who, written.path, e)
+        logger.debug("fastpersist: %s: not copying %s before the local commit: %s", who, written.path, e)
         return None
     finally:
         if written.fd >= 0:

@@ -123,19 +123,19 @@ class TieredSave:
         that :meth:`commit` resolves. None for a save the persistent tier never gets (``persistent=False``).
 
         Where the write runs in the rank's writer process (``beside_writer``:
-        an async save; a synchronous save's caller waits for its write, which a
-        drain beside it would only slow down) and ``TierConfig.drain_while_writing``
-        says so, the drain copies the data file (planned as ``records``) to a
-        persistent directory while it is written; else after the commit.
+        an async save; a synchronous save's caller waits for its write and
+        commits right after), the drain copies the data file (planned as
+        ``records``) to a persistent directory once it is written, or while it
+        is written where ``TierConfig.drain_while_writing`` says so, without
+        waiting for the local commit; else after the commit.
         """
         if not self.config.persistent:
             return None
         # The writer's own first step, taken before the drain looks: it follows only the file of this save.
         unlink_quietly(os.path.join(self.local, data_file))
         committed: Future[TierManifest] = Future()
-        follow = records and beside_writer and self.config.drain_while_writing
-        planned = Planned(tuple(records), config.checksum_block_bytes,
-                          settling_bytes(self.local, config)) if follow else None
+        planned = Planned(tuple(records), config.checksum_block_bytes, settling_bytes(self.local, config),
+                          whole=not self.config.drain_while_writing) if records and beside_writer else None
         drainer().submit(Drain(committed, self.checkpoint_dir, self.local, self.rank, describe_node(), data_file,
                                self.config.retry_s, planned))
         return committed
