@@ -11,12 +11,13 @@ checksums of the committed index, and is made again from the local copy
 otherwise; so the copy of a written file does not wait for the loop's next
 finalize, where the local commit runs. A synchronous save's data file (its
 caller waits for the write and commits right after) and a file for an object
-store (uploaded whole) are copied after the local commit. Either way every block is checked against
-the index, and the rank leaves a marker there naming the checkpoint. Rank 0's
-drain, once every rank's marker is there, copies the index files in commit
-order (the format's marker last), then records the state ``durable`` and
-removes the markers and the pending index. Nothing of the persistent
-directory's committed index exists before that: it never shows durable early.
+store (uploaded whole) are copied after the local commit. Either way every
+block is checked against the index, and the rank leaves a marker there naming
+the checkpoint. Rank 0's drain, once every rank's marker is there, copies the
+index files in commit order (the format's marker last), then records the state
+``durable`` and removes the markers and the pending index. Nothing of the
+persistent directory's committed index exists before that: it never shows
+durable early.
 
 A copy that fails for a reason other than the bytes (the store unreachable,
 the filesystem full) is tried again with growing pauses until

@@ -63,9 +63,10 @@ def advance(manifest: TierManifest, state: str) -> bool:
             return False
         if STATES.index(current.state) >= STATES.index(state):
             return False
-        home.write(TIERS_FILE, current.with_state(state, time.time()).to_json_bytes())
+        now = time.time()
+        home.write(TIERS_FILE, current.with_state(state, now).to_json_bytes())
     logger.info("fastpersist: %s is %s, %.2f s after its local commit", manifest.checkpoint_dir, state,
-                time.time() - current.created)
+                now - current.created)
     return True
 
 
