@@ -4,8 +4,8 @@ into the directory of a checkpoint still being drained.
 Every rank's drain writes into the same directory at once (its data file, its marker); rank 0 also removes
 what an earlier checkpoint of that name left. It must never remove what another rank of this checkpoint is
 writing: for an async save each rank copies its data file once it is written (with ``drain_while_writing``,
-while it is written) and leaves its marker right after the local commit, often while rank 0 is still clearing. A drain that copied a file for a save whose
-finalize never ran removes its copy when the process exits.
+while it is written) and leaves its marker right after the local commit, often while rank 0 is still clearing.
+A drain that copied a file for a save whose finalize never ran removes its copy when the process exits.
 """
 
 from __future__ import annotations

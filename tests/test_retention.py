@@ -53,7 +53,8 @@ def _copy(local_dir: str, home: str, age: int, persistent: bool = True, durable:
     with open(os.path.join(copy, TIERS_FILE), "wb") as f:
         f.write(manifest.to_json_bytes())
     if held:
-        PosixDir(home).write(TIERS_FILE, (manifest.with_state(DURABLE, time.time()) if durable else manifest).to_json_bytes())
+        held_there = manifest.with_state(DURABLE, time.time()) if durable else manifest
+        PosixDir(home).write(TIERS_FILE, held_there.to_json_bytes())
     return copy, manifest
 
 

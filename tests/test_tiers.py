@@ -106,7 +106,8 @@ def test_each_node_keeps_its_share_and_loads_it_from_its_own_copy(cluster):
     can only have read each node's own copy. A second async save, by default, is copied once written, before its
     local commit."""
     saved = _save(cluster, {"name": "s1", "step": 1, "async": True, "wait_durable": True,
-                            "drain_while_writing": True}, {"name": "s2", "step": 2, "async": True, "wait_durable": True})
+                            "drain_while_writing": True},
+                  {"name": "s2", "step": 2, "async": True, "wait_durable": True})
     (first, second) = (r["saves"][0] for r in saved)
     assert [first["state_after_save"], second["state_after_save"]] == ["local", "local"]
     assert all(save["durable"] for r in saved for save in r["saves"]), saved

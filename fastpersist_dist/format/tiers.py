@@ -38,6 +38,7 @@ from typing import Any
 from ..util.errors import CorruptCheckpointError
 from .checksum import digest_bytes
 from .kinds import MARKERS
+from .records import _canonical
 
 TIERS_FILE = "fastpersist_tiers.json"
 TIERED_MARKERS = (TIERS_FILE, *MARKERS)  # what makes a persistent directory a (tiered) checkpoint
@@ -108,8 +109,7 @@ class TierManifest:
             "created": self.created, "persistent": self.persistent,
             "replica_nodes": [list(r) for r in self.replica_nodes], "reached": dict(sorted(self.reached.items())),
         }
-        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-        return json.dumps({"body": body, "body_xxh3_64": digest_bytes(canonical)}, indent=1).encode()
+        return json.dumps({"body": body, "body_xxh3_64": digest_bytes(_canonical(body))}, indent=1).encode()
 
     @classmethod
     def from_json_bytes(cls, data: bytes, where: str) -> "TierManifest":
@@ -117,7 +117,7 @@ class TierManifest:
         try:
             doc = json.loads(data)
             body = doc["body"]
-            canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+            canonical = _canonical(body)
         except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"{where}: not a tiers manifest ({type(e).__name__}: {e})") from None
         if digest_bytes(canonical) != doc.get("body_xxh3_64"):

@@ -3,12 +3,12 @@
 Runs on every rank's replication thread after the local commit, over a gloo
 group of its own (``topology.replication_group``). Both ends of a transfer
 read the same index from their node's copy, so they cut the file into the
-same chunks of whole checksum blocks (``storage/copy.py``); the sender sends
+same chunks of whole checksum blocks (``storage/copy.py``). The sender sends
 each chunk from the file's own pages where the local tier is in memory (a
 tmpfs), else reads it into one of two buffers and sends it while reading the
-next, the receiver checks each chunk against its checksums while the next arrives (a
-rank's sends run on a thread of their own beside its receives, so that both
-directions of a pair of nodes move at once), and
+next. The receiver checks each chunk against its checksums while the next
+arrives (a rank's sends run on a thread of their own beside its receives, so
+that both directions of a pair of nodes move at once), and
 renames the file into its node's copy only when every block matched. A block
 that does not match is reported (file, byte offset, record, sender's node) and
 the rest of that file is received and dropped, so both ends stay in step.

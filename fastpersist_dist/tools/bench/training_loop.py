@@ -841,7 +841,7 @@ def format_loop_table(rep: dict) -> str:
                     f"after it" if r.get("replicated_s") is not None else "")
         lines.append(f"{r['name']}: local commit {r['durable_s']:.2f} s after the call{replicas}, durable on the "
                      f"persistent tier {r['persisted_s']:.2f} s after it (as its manifest records){versus}; the drain "
-                     f"{'followed the local write' if rep['drain_while_writing'] else 'started once each file was written'}")
+                     + ("followed the local write" if rep["drain_while_writing"] else "started once each file was written"))
         if r.get("restart"):
             s = r["restart"]
             lines.append(f"{r['name']}: restart (last repetition's synchronous save, page cache dropped, median of "
