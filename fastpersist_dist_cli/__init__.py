@@ -165,6 +165,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--drain-while-writing", choices=("on", "off"), default="off",
                    help="fastpersist_tiered's TierConfig.drain_while_writing: copy to the persistent tier while the "
                         "local write goes on")
+    t.add_argument("--write-through", choices=("on", "off"), default="off",
+                   help="fastpersist_tiered's TierConfig.write_through: each rank's writer also writes the persistent "
+                        "tier's copy, beside the local write")
     t.add_argument("--nodes", type=_positive_int, default=1,
                    help="split the ranks into this many nodes of this machine, each with its own local tier "
                         "(LOCAL_DIR.nodes/node<n> bind-mounted at LOCAL_DIR in a mount namespace per rank; root), "

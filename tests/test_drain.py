@@ -89,27 +89,29 @@ NEVER_FINALIZED = textwrap.dedent("""
     from fastpersist_dist import ASYNC_SAVE_KWARGS, FastPersistSaveStrategy, TierConfig
     from fastpersist_dist.storage.files import TMP_SUFFIX
 
-    local, ckpt, following = sys.argv[1:4]
+    local, ckpt, mode = sys.argv[1:4]
     dist.init_process_group("gloo")
     w = torch.arange(4 << 20, dtype=torch.float32)
     sd = {"w": ShardedTensor.from_rank_offsets("w", w, replica_id=0)}
-    tiers = TierConfig(os.path.abspath(local), drain_while_writing=following == "following")
+    tiers = TierConfig(os.path.abspath(local), drain_while_writing=mode == "following",
+                       write_through=mode == "write through")
     request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(tiers=tiers),
                                       async_sharded_save=True, **ASYNC_SAVE_KWARGS)
     request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)  # the write; its finalize never runs
-    while not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX)]:  # the drain's copy under way
+    while not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX)]:  # the copy under way, or written through
         time.sleep(0.01)
     print("written", flush=True)
 """)
 
 
-@pytest.mark.parametrize("following", ["following", "once written"])
-def test_a_save_never_finalized_leaves_nothing_in_the_persistent_directory(tmp_path, following):
+@pytest.mark.parametrize("mode", ["following", "once written", "write through"])
+def test_a_save_never_finalized_leaves_nothing_in_the_persistent_directory(tmp_path, mode):
     """The drain copied the data file while it was written (``drain_while_writing``), or once its writer was
-    done, and waits for the local commit, which never comes: at exit the copy is removed, and the process ends."""
+    done, or the writer wrote it there too (``write_through``); the drain waits for the local commit, which
+    never comes: at exit the copy is removed, and the process ends."""
     ckpt, local = tmp_path / "persistent" / "step1", tmp_path / "local"
     ckpt.mkdir(parents=True)
-    done = run_one_rank_script(NEVER_FINALIZED, str(local), str(ckpt), following)
+    done = run_one_rank_script(NEVER_FINALIZED, str(local), str(ckpt), mode)
     assert done.returncode == 0 and "written" in done.stdout, done.stderr[-3000:]
     assert [n for n in os.listdir(local) if os.listdir(local / n)], "the local copy holds the written file"
     assert not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX) or is_data_file(n)], os.listdir(ckpt)

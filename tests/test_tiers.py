@@ -104,17 +104,27 @@ def test_each_node_keeps_its_share_and_loads_it_from_its_own_copy(cluster):
     """An async save: local at once, then durable, each rank's data file copied to the persistent directory while
     its writer wrote it (``drain_while_writing``); the persistent tier's data files are then removed, so the load
     can only have read each node's own copy. A second async save, by default, is copied once written, before its
-    local commit."""
+    local commit; a third is written through to the persistent directory by each rank's writer, and loads from
+    there alone."""
     saved = _save(cluster, {"name": "s1", "step": 1, "async": True, "wait_durable": True,
                             "drain_while_writing": True},
-                  {"name": "s2", "step": 2, "async": True, "wait_durable": True})
+                  {"name": "s2", "step": 2, "async": True, "wait_durable": True},
+                  {"name": "s3", "step": 3, "async": True, "wait_durable": True, "write_through": True,
+                   "keep_local": 3})
     (first, second) = (r["saves"][0] for r in saved)
     assert [first["state_after_save"], second["state_after_save"]] == ["local", "local"]
     assert all(save["durable"] for r in saved for save in r["saves"]), saved
     for r in saved:
-        assert len(r["drained"]) == 2 and not r["warnings"], r
+        assert len(r["drained"]) == 3 and not r["warnings"], r
         assert "while it was written" in r["drained"][0], r
         assert "once written, before the local commit" in r["drained"][1], r
+        assert "written there by the rank's writer, beside the local write" in r["drained"][2], r
+    through = _ckpt(cluster, "s3")
+    assert sorted(os.listdir(through)) == sorted(os.listdir(_ckpt(cluster, "s2"))), os.listdir(through)
+    for node in (0, 1):
+        shutil.rmtree(_node_copy(cluster, node, "s3"))
+    loaded = _load(cluster, "s3", 3)
+    assert all(r.get("equal") and not r["warnings"] for r in loaded), loaded
     for node in (0, 1):  # the node's own rank's data file and the whole index
         copy = _node_copy(cluster, node, "s1")
         assert {TIERS_FILE, INDEX_FILE} <= set(os.listdir(copy)) and len(_data_files(copy)) == 1, os.listdir(copy)

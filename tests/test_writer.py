@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
 import torch
 from megatron.core.dist_checkpointing import ShardedTensor
 
+from fastpersist_dist.storage.files import written_through_name
 from fastpersist_dist.storage.writer import HOST_COPY_BYTES, write_rank_file
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.util.config import MiB, WriteConfig
 
 from .faults import random_records
-from .helpers import load, proc_status_kib, save
+from .helpers import load, logged, proc_status_kib, save
 
 pytestmark = pytest.mark.contract
 
@@ -41,6 +43,49 @@ def _same_file_every_way(rank: int, world: int, root: str) -> None:
 
 def test_same_bytes_with_double_single_and_buffered_sinks(tmp_path):
     run_ranks(1, _same_file_every_way, str(tmp_path))
+
+
+def _written_through(rank: int, world: int, root: str) -> None:
+    # In a forked process, as above. Both sinks direct (a local tier on disk) and a buffered one beside a direct
+    # copy (a local tier in memory): the copy holds the file's bytes, under the name the drain takes it from.
+    items = random_records([3 * MiB + 7, 0, 5 * MiB + 1, 11], rank)
+    expected = b"".join(bytes(item.data.numpy()) for item in items)
+    os.makedirs(os.path.join(root, "persistent"))
+    for local in ("direct", "buffered"):
+        cfg = WriteConfig(io_buffer_mb=1, checksum_block_mb=1, direct_io="auto" if local == "direct" else "off")
+        path, copy = os.path.join(root, f"{local}.bin"), os.path.join(root, "persistent", f"{local}.bin")
+        open(written_through_name(copy), "wb").close()  # an earlier save's, never taken: not this one's
+        result = write_rank_file(path, items, cfg, rank, copy_to=copy)
+        assert result.mode == local
+        for name in (path, written_through_name(copy)):
+            with open(name, "rb") as f:
+                assert f.read() == expected, (local, name)
+        assert sorted(os.listdir(os.path.join(root, "persistent"))) == sorted(
+            os.path.basename(written_through_name(os.path.join(root, "persistent", f"{n}.bin")))
+            for n in ("direct", "buffered")[: 1 + (local == "buffered")])
+
+
+def test_a_write_through_copy_gets_the_same_bytes_beside_the_file(tmp_path):
+    run_ranks(1, _written_through, str(tmp_path))
+
+
+def _not_written_through(rank: int, world: int, root: str) -> list[str]:
+    items = random_records([2 * MiB + 3], rank)
+    path, copy = os.path.join(root, "rank.bin"), os.path.join(root, "missing", "rank.bin")
+    records = logged("fastpersist_dist.storage.writer", logging.WARNING)
+    result = write_rank_file(path, items, WriteConfig(io_buffer_mb=1, checksum_block_mb=1), rank, copy_to=copy)
+    with open(path, "rb") as f:
+        assert f.read() == bytes(items[0].data.numpy())
+    assert len(result.records[0].checksums) == 3 and os.listdir(root) == ["rank.bin"]
+    return [r.getMessage() for r in records]
+
+
+def test_a_write_through_copy_that_cannot_be_written_leaves_the_write_as_it_was(tmp_path):
+    """The persistent directory is not there: the rank's file is written and checked all the same, and the
+    warning names the copy and says the file is copied from the local tier instead."""
+    warnings = run_ranks(1, _not_written_through, str(tmp_path))[0]
+    copy = os.path.join(tmp_path, "missing", "rank.bin")
+    assert len(warnings) == 1 and copy in warnings[0] and "copied from the local tier instead" in warnings[0], warnings
 
 
 def _save_strided_state(rank: int, world: int, root: str) -> list[int]:

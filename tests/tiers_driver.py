@@ -4,7 +4,8 @@
 namespace of its own where the same local-tier path is that node's own directory. Actions:
 
 * ``save``: for each of ``saves``, save the state of its ``step`` (``rows`` rows of ``w`` per rank) into its
-  ``checkpoint`` (``local_dir``, ``replicas``, ``persistent``, ``drain_while_writing``, ``async`` as it says),
+  ``checkpoint`` (``local_dir``, ``replicas``, ``persistent``, ``drain_while_writing``, ``write_through``,
+  ``async`` as it says),
   then optionally wait
   until it is durable (``wait_durable``) or until this rank's copies are done (``wait_copies``);
 * ``load``: load ``checkpoint`` into a fresh state of ``step`` (with ``loader_local_dir`` and ``share_reads`` if
@@ -71,6 +72,7 @@ def _save(rank: int, world: int, args: dict) -> dict:
     dist.barrier()
     tiers = TierConfig(args["local_dir"], replicas=args.get("replicas", 0), persistent=args.get("persistent", True),
                        drain_while_writing=args.get("drain_while_writing", False),
+                       write_through=args.get("write_through", False),
                        keep_local=args.get("keep_local", 2))
     strategy = FastPersistSaveStrategy(args.get("format"), tiers=tiers)
     sd = state(rank, world, args["step"], args.get("rows", 64))

@@ -280,8 +280,9 @@ class SaveEngine:
         staged, lease = self._snapshot(staged, out, ckpt, error, phases, tier)
         address, writer_pid = writer_client().ensure_running()
         items = _items(staged, self.fmt, rank, self.config.separation_hint)
-        job = WriterJob(ckpt, self.fmt.data_file(rank), describe_items(items, lease[1]), self.config, rank,
-                        reuse_from)
+        data_file = self.fmt.data_file(rank)
+        job = WriterJob(ckpt, data_file, describe_items(items, lease[1]), self.config, rank, reuse_from,
+                        tier.write_through_to(data_file) if tier is not None and items else None)
         # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
         finalize = [partial(shared.pool.release, lease), partial(shared.writing.discard, target),
                     self._committing(commit, tier, items, aux_files, follow=True)]

@@ -38,15 +38,15 @@ def write_status(checkpoint_dir: str, rank: int, result: Optional[WriteResult], 
 
 
 def write_and_report(checkpoint_dir: str, items: list[WriteItem], config: WriteConfig, rank: int,
-                     data_file: str, reuse_from: Optional[str] = None) -> None:
+                     data_file: str, reuse_from: Optional[str] = None, copy_to: Optional[str] = None) -> None:
     """Step 2: write this rank's file and leave its status; never raises (the status is the hand-over).
 
     Runs in the trainer (synchronous save) or in the rank's writer process
-    (async). ``reuse_from``: see :func:`write_rank_file`.
+    (async). ``reuse_from``, ``copy_to``: see :func:`write_rank_file`.
     """
     path = os.path.join(checkpoint_dir, data_file)
     try:
-        result = write_rank_file(path, items, config, rank, reuse_from)
+        result = write_rank_file(path, items, config, rank, reuse_from, copy_to)
     except BaseException as e:  # noqa: BLE001 - reported to every rank at finalize
         logger.error("fastpersist: rank %d failed writing %s: %s", rank, path, e)
         write_status(checkpoint_dir, rank, None, e)

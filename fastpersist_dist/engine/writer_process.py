@@ -84,6 +84,7 @@ class WriterJob:
     config: WriteConfig
     rank: int
     reuse_from: Optional[str] = None  # a pool of retired files to overwrite one of (storage/recycle.py)
+    copy_to: Optional[str] = None  # where a write-through copy of the file goes (a tiered save's persistent tier)
 
 
 def describe_items(items: list[WriteItem], buffer: SharedBuffer) -> list[ItemSpec]:
@@ -299,7 +300,8 @@ class _Writer:
             items = [WriteItem(s.record, self._bytes(s), s.prefix, s.suffix) for s in job.items]
         except KeyError as e:
             return "error", f"rank {job.rank}: the writer of {job.data_file} has no snapshot buffer {e}"
-        write_and_report(job.checkpoint_dir, items, job.config, job.rank, job.data_file, job.reuse_from)
+        write_and_report(job.checkpoint_dir, items, job.config, job.rank, job.data_file, job.reuse_from,
+                         job.copy_to)
         return "done", None
 
     def _bytes(self, spec: ItemSpec) -> torch.Tensor:

@@ -39,7 +39,7 @@ from typing import Callable, Iterator, Optional
 from ..format.checksum import digest_bytes
 from ..format.records import ShardRecord
 from ..util.errors import CorruptCheckpointError, FastPersistError
-from .files import TMP_SUFFIX, fsync_path, unlink_quietly
+from .files import fsync_path, process_temporary, unlink_quietly
 from .mounts import on_memory_filesystem
 from .recycle import take
 
@@ -156,7 +156,7 @@ class AtomicFile:
 
     def __init__(self, path: str, reuse_from: Optional[str] = None):
         self.path = path
-        self._tmp = f"{path}.{os.getpid()}{TMP_SUFFIX}"  # several processes of a node may fetch one file
+        self._tmp = process_temporary(path)
         self._fd: Optional[int] = None
         self._staging: Optional[mmap.mmap] = None
         self._staged = 0  # bytes in the staging buffer, not yet written
@@ -467,6 +467,34 @@ def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, win
     finally:
         os.close(fd)
     return time.perf_counter() - start
+
+
+@dataclass
+class WrittenThrough:
+    """A rank's write-through copy (``storage/writer.py``), written and checked by its writer beside the file
+    whose checksums the index holds, waiting under its temporary name (``written_through_name``)."""
+
+    tmp: str
+    path: str
+
+    def commit_if(self, spans: list[Span]) -> bool:
+        """Put the copy in place if it has the size of the file ``spans`` cover, else remove it."""
+        try:
+            whole = os.stat(self.tmp).st_size == (spans[-1].end if spans else 0)
+        except FileNotFoundError:
+            return False
+        if not whole:
+            self.abandon()
+            return False
+        os.replace(self.tmp, self.path)
+        self.tmp = ""
+        fsync_path(os.path.dirname(self.path) or ".")
+        return True
+
+    def abandon(self) -> None:
+        """Remove the copy (no-op once committed)."""
+        if self.tmp:
+            unlink_quietly(self.tmp)
 
 
 @dataclass

@@ -38,6 +38,17 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
+def process_temporary(path: str) -> str:
+    """``path``'s temporary name for this process (several processes of a node may write one file at once)."""
+    return f"{path}.{os.getpid()}{TMP_SUFFIX}"
+
+
+def written_through_name(path: str) -> str:
+    """Where a writer leaves its complete write-through copy of ``path`` (``storage/writer.py``) until the
+    checkpoint is committed and the copy put in place."""
+    return f"{path}.through{TMP_SUFFIX}"
+
+
 def atomic_write(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file, or the whole new one."""
     tmp = f"{path}{TMP_SUFFIX}"

@@ -16,6 +16,11 @@ host as the write reaches them, a bounded number of bytes ahead
 (``HOST_COPY_BYTES``), not all before it starts, into a block of host memory
 that the process keeps for its next write (storage/host_staging.py).
 
+A tiered save's write-through copy (``copy_to``) gets the same bytes in
+lockstep with the file, through a second aio handle and bounce buffer, so that
+the persistent tier is written at its own bandwidth while the local tier is:
+the local write ends with the slower of the two.
+
 Because a failed aio write can leave a file of the right size with wrong bytes
 (a hole, a stale bounce-buffer half), a few checksum blocks are read back from
 the device after fsync and compared with what was streamed (see
@@ -25,6 +30,7 @@ the device after fsync and compared with what was streamed (see
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import time
@@ -43,6 +49,7 @@ from ..util.cores import cores_per_local_rank
 from ..util.errors import FastPersistError
 from ..util.timing import Phases
 from .deepspeed_ops import LockedMemoryError, aio_available, aio_module, aio_resources, ensure_fast_file_writer_usable
+from .files import process_temporary, unlink_quietly, written_through_name
 from .host_copy import copies_on_this_thread, copy_to_host
 from .host_staging import Ring, staging_block
 from .mounts import on_memory_filesystem
@@ -63,6 +70,7 @@ HOST_COPY_BYTES = 256 * MiB
 # on the same thread, while its bytes are still in the CPU's caches. A checksum thread beside the
 # writes would only compete for the cores and read the bytes from memory a second time.
 INLINE_PIECE_BYTES = 4 * MiB
+COPY_SLOT = 1  # the aio handle and bounce buffer of a write-through copy (deepspeed_ops.aio_resources)
 _warned: set[object] = set()
 
 
@@ -81,11 +89,11 @@ class _DirectSink:
 
     mode = MODE_DIRECT
 
-    def __init__(self, path: str, cfg: WriteConfig):
+    def __init__(self, path: str, cfg: WriteConfig, slot: int = 0):
         from deepspeed.io import FastFileWriter, FastFileWriterConfig
 
         ensure_fast_file_writer_usable()
-        res = aio_resources(cfg.aio)
+        res = aio_resources(cfg.aio, slot)
         self._writer = FastFileWriter(
             path,
             FastFileWriterConfig(
@@ -129,6 +137,100 @@ class _BufferedSink:
             self._file.close()
 
 
+class _Tee:
+    """A rank's file and its write-through copy, handed the same bytes in lockstep: the copy first, so that its
+    aio write runs while the file gets the bytes.
+
+    The copy is made before the file and holds an exclusive ``flock`` until it
+    is put where the drain takes it or removed (or its writer dies): a drain
+    that gives the save up waits on that lock before it removes what is there.
+    It never fails the write: its first error drops it (its file removed, the
+    cause logged), and the drain copies the file instead.
+    """
+
+    def __init__(self, copy_to: str, cfg: WriteConfig, rank: int):
+        self.tmp, self._done_as, self._rank = process_temporary(copy_to), written_through_name(copy_to), rank
+        self.done = ""  # where the copy is once written and checked (:meth:`finish`)
+        self.mode = ""  # the file's sink's (:meth:`beside`)
+        unlink_quietly(self._done_as)  # an earlier save's, never taken: the drain takes what is there after this write
+        unlink_quietly(self.tmp)  # FastFileWriter opens without O_TRUNC
+        self._lock = os.open(self.tmp, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            self._copy: _Sink = _open_sink(self.tmp, cfg, COPY_SLOT)
+        except BaseException:
+            os.close(self._lock)
+            _remove_partial(self.tmp)
+            raise
+        self._copy_open = True
+        self._sink: Optional[_Sink] = None
+
+    def beside(self, sink: _Sink) -> "_Tee":
+        """The tee of ``sink`` (the rank's file, opened after the copy) and the copy."""
+        self._sink, self.mode = sink, sink.mode
+        return self
+
+    @property
+    def copied(self) -> bool:
+        """Whether the copy is still written (not dropped)."""
+        return bool(self.tmp)
+
+    def write(self, data: torch.Tensor) -> None:
+        assert self._sink is not None
+        if self.tmp:
+            try:
+                self._copy.write(data)
+            except Exception as e:  # noqa: BLE001 - the copy is optional; the file is what the save needs
+                self.drop(f"writing it failed: {type(e).__name__}: {e}")
+        self._sink.write(data)
+
+    def close(self) -> None:
+        assert self._sink is not None
+        try:
+            self._sink.close()
+        finally:
+            if self.tmp:
+                try:
+                    self._copy_open = False
+                    self._copy.close()
+                except Exception as e:  # noqa: BLE001 - as in write
+                    self.drop(f"flushing it failed: {type(e).__name__}: {e}")
+
+    def finish(self, records: list[ShardRecord], expected: int, block: int, cfg: WriteConfig) -> int:
+        """Once the file is written and checked: check the copy alike and put it where the drain takes it
+        (``files.written_through_name``), or drop it; the bytes read back."""
+        try:
+            checked = _check_written(self.tmp, records, expected, "write-through", block, self._rank, cfg)
+            os.replace(self.tmp, self._done_as)
+        except (OSError, FastPersistError) as e:
+            self.drop(str(e))
+            return 0
+        self.tmp, self.done = "", self._done_as
+        os.close(self._lock)
+        return checked
+
+    def drop(self, why: str) -> None:
+        """Give the copy up, ``why`` logged: the drain copies the file instead."""
+        if self.tmp:
+            logger.warning("fastpersist: rank %d: the write-through copy %s is dropped (%s); the file is copied "
+                           "from the local tier instead", self._rank, self.tmp, why)
+        self.discard()
+
+    def discard(self) -> None:
+        """The copy closed and removed (no-op once gone)."""
+        if not self.tmp:
+            return
+        if self._copy_open:
+            self._copy_open = False
+            try:
+                self._copy.close()
+            except Exception:  # noqa: BLE001 - already failed: its file goes anyway
+                logger.debug("fastpersist: closing %s after it failed also failed", self.tmp, exc_info=True)
+        _remove_partial(self.tmp)
+        self.tmp = ""
+        os.close(self._lock)
+
+
 def _warn_once(key: object, reason: str) -> None:
     """One warning per cause (and per filesystem), not one per save."""
     if key not in _warned:
@@ -168,7 +270,7 @@ def _buffered_by_choice(directory: str, cfg: WriteConfig) -> bool:
     return cfg.direct_io == "off" or (cfg.direct_io == "auto" and on_memory_filesystem(directory))
 
 
-def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
+def _open_sink(path: str, cfg: WriteConfig, slot: int = 0) -> _Sink:
     if _buffered_by_choice(os.path.dirname(path) or ".", cfg):
         return _BufferedSink(path)  # on tmpfs: one copy from the tensors into the files' pages, no bounce
     try:
@@ -179,7 +281,7 @@ def _open_sink(path: str, cfg: WriteConfig) -> _Sink:
         _warn_once("no-aio", str(e))
         return _BufferedSink(path)
     try:
-        return _DirectSink(path, cfg)
+        return _DirectSink(path, cfg, slot)
     except LockedMemoryError as e:
         if cfg.direct_io == "on":
             raise FastPersistError(f"direct_io='on' but {e}") from e
@@ -368,6 +470,7 @@ def write_rank_file(
     cfg: WriteConfig,
     rank: int,
     reuse_from: Optional[str] = None,
+    copy_to: Optional[str] = None,
 ) -> WriteResult:
     """Write ``items`` (records placed by the planner, back to back) to ``path`` durably.
 
@@ -376,44 +479,73 @@ def write_rank_file(
     :func:`confirm_on_disk`; ``cfg.readback_stride`` None skips it) differs. A file
     left by a failed write is removed. ``reuse_from``: a pool of retired files
     (``storage/recycle.py``) of which one is overwritten where the write is
-    buffered (tmpfs), instead of a new file.
+    buffered (tmpfs), instead of a new file. ``copy_to``: a tiered save's
+    write-through copy to the persistent tier, the same bytes written beside
+    the file and checked alike, left at ``written_through_name(copy_to)`` for
+    the drain to put in place; a copy that fails is removed, logged, and the
+    write goes on.
     """
     start_time = time.perf_counter()
     block = cfg.checksum_block_bytes
     chunk = max(block, 64 * MiB // block * block)
     expected = sum(item.record.length for item in items)
-    if os.path.lexists(path):
-        os.unlink(path)  # FastFileWriter opens without O_TRUNC: old bytes would survive.
-    reused = reuse_from is not None and _buffered_by_choice(os.path.dirname(path) or ".", cfg) and take(
-        reuse_from, path)
+    tee = None if copy_to is None else _tee(copy_to, cfg, rank)  # before the file is there (see _Tee)
     try:
+        if os.path.lexists(path):
+            os.unlink(path)  # FastFileWriter opens without O_TRUNC: old bytes would survive.
+        reused = reuse_from is not None and _buffered_by_choice(os.path.dirname(path) or ".", cfg) and take(
+            reuse_from, path)
         sink = _open_sink(path, cfg)
-    except OSError as e:
+    except BaseException as e:
         _remove_partial(path)
-        raise FastPersistError(f"rank {rank}: cannot open {path} for writing: {e}") from e
+        if tee is not None:
+            tee.discard()
+        if isinstance(e, OSError):
+            raise FastPersistError(f"rank {rank}: cannot open {path} for writing: {e}") from e
+        raise
     phases = Phases()
     try:
-        out = _stream(path, sink, items, block, chunk, rank, phases)
-        os.chmod(path, 0o644)  # FastFileWriter creates files with mode 0o777 (minus umask)
-        size = os.stat(path).st_size
-        if size != expected:
-            raise FastPersistError(
-                f"rank {rank}: {path} holds {size} bytes after fsync, expected {expected} "
-                f"({sink.mode} writes failed silently: {_free_space(path)} free there; disk full or I/O error?)"
-            )
-        phases.mark("size check")
-        checked = 0 if cfg.readback_stride is None else confirm_on_disk(path, out, block, rank, cfg.readback_stride)
-        phases.mark(f"read back {checked / MiB:.0f} MiB")
+        out = _stream(path, sink if tee is None else tee.beside(sink), items, block, chunk, rank, phases)
+        checked = _check_written(path, out, expected, sink.mode, block, rank, cfg)
+        if tee is not None and tee.copied:
+            checked += tee.finish(out, expected, block, cfg)
+        phases.mark(f"size check, read back {checked / MiB:.0f} MiB")
     except BaseException:
         _remove_partial(path)
+        if tee is not None:
+            tee.discard()
         raise
     seconds = time.perf_counter() - start_time
     logger.debug(
-        "fastpersist: rank %d wrote %.3f GiB to %s in %.2f s (%.2f GiB/s, %s%s): %s",
-        rank, expected / 2**30, path, seconds, expected / 2**30 / max(seconds, 1e-9), sink.mode,
-        ", over a retired file" if reused else "", phases,
+        "fastpersist: rank %d wrote %.3f GiB to %s%s in %.2f s (%.2f GiB/s, %s%s): %s",
+        rank, expected / 2**30, path, f" and to {tee.done}" if tee is not None and tee.done else "", seconds,
+        expected / 2**30 / max(seconds, 1e-9), sink.mode, ", over a retired file" if reused else "", phases,
     )
     return WriteResult(out, expected, seconds, sink.mode)
+
+
+def _tee(copy_to: str, cfg: WriteConfig, rank: int) -> Optional[_Tee]:
+    """A write-through copy to ``copy_to`` opened, or None (logged) where it cannot be."""
+    try:
+        return _Tee(copy_to, cfg, rank)
+    except Exception as e:  # noqa: BLE001 - the copy is optional; the write goes on without it
+        logger.warning("fastpersist: rank %d: no write-through copy to %s (%s: %s); the file is copied from the "
+                       "local tier instead", rank, copy_to, type(e).__name__, e)
+        return None
+
+
+def _check_written(path: str, records: list[ShardRecord], expected: int, mode: str, block: int, rank: int,
+                   cfg: WriteConfig) -> int:
+    """Raise unless ``path`` holds ``expected`` bytes after fsync and its sampled blocks read back as written;
+    the bytes read back."""
+    os.chmod(path, 0o644)  # FastFileWriter creates files with mode 0o777 (minus umask)
+    size = os.stat(path).st_size
+    if size != expected:
+        raise FastPersistError(
+            f"rank {rank}: {path} holds {size} bytes after fsync, expected {expected} "
+            f"({mode} writes failed silently: {_free_space(path)} free there; disk full or I/O error?)"
+        )
+    return 0 if cfg.readback_stride is None else confirm_on_disk(path, records, block, rank, cfg.readback_stride)
 
 
 def _stream(

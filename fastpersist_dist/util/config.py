@@ -193,6 +193,14 @@ class TierConfig:
         training loop (off by default: with 8 cores per rank the loop lost
         three to four times as much per checkpoint with it;
         docs/tiers.md#benchmark).
+    write_through: an async save's writer writes each data file into a
+        persistent directory too, from the same snapshot and in lockstep with
+        the local write (its own aio handle and bounce buffer), checked as the
+        local file is; the drain puts it in place after the local commit.
+        Durable at about the persistent tier's bandwidth, but the local write,
+        and so the local commit, ends no sooner than the persistent one (off
+        by default; an object store's files are copied by the drain either
+        way; not with ``drain_while_writing``).
     """
 
     local_dir: str
@@ -202,6 +210,7 @@ class TierConfig:
     retry_s: float = 900.0
     local_only_under: Optional[str] = None
     drain_while_writing: bool = False
+    write_through: bool = False
 
     def for_checkpoint(self, checkpoint_dir: str) -> "TierConfig":
         """The settings of one save into ``checkpoint_dir``: local only under ``local_only_under``."""
@@ -213,6 +222,8 @@ class TierConfig:
         if not self.local_dir or not os.path.isabs(self.local_dir):
             raise ValueError(f"local_dir must be an absolute path, the same on every node, got {self.local_dir!r}")
         _check_positive(self, "keep_local")
+        if self.write_through and self.drain_while_writing:
+            raise ValueError("write_through and drain_while_writing are two ways of the same copy: choose one")
         if self.replicas < 0 or self.retry_s < 0:
             raise ValueError(f"replicas and retry_s must be >= 0, got {self.replicas} and {self.retry_s}")
 

@@ -29,6 +29,8 @@ stays in the local tiers (loadable there), and the next save goes on.
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import json
 import logging
 import os
@@ -40,8 +42,8 @@ from typing import Callable, Optional, TypeVar
 from ...format.checksum import digest_bytes
 from ...format.records import INDEX_FILE, ShardRecord, is_data_file, status_file_name
 from ...format.tiers import DRAINED_PREFIX, DURABLE, TierManifest
-from ...storage.copy import PendingCopy, Span, block_layout, block_spans, copy_following
-from ...storage.files import TMP_SUFFIX
+from ...storage.copy import PendingCopy, Span, WrittenThrough, block_layout, block_spans, copy_following
+from ...storage.files import TMP_SUFFIX, unlink_quietly, written_through_name
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
 from ..index_reader import read_index
@@ -57,6 +59,11 @@ LONGEST_PAUSE_S = 30.0
 FOLLOW_POLL_S = 0.002  # how often a copy that follows a write looks at the file's length
 WRITTEN_POLL_S = 0.01  # how often a copy waiting for the whole file looks for the writer's status
 
+# When an async save's data file reaches a persistent directory (``Planned.when``), as the drain logs it.
+ONCE_WRITTEN = "once written, before the local commit"
+WHILE_WRITTEN = "while it was written"
+WRITTEN_THROUGH = "by the rank's writer, beside the local write"
+
 
 @dataclass(frozen=True)
 class Planned:
@@ -65,7 +72,7 @@ class Planned:
     records: tuple[ShardRecord, ...]  # placed back to back, their checksums not known yet
     block_bytes: int  # the checksum block
     settling: int  # bytes at the end of the written part that may still change (storage.writer.settling_bytes)
-    whole: bool  # copied once the writer is done with it, rather than while it writes (drain_while_writing)
+    when: str  # ONCE_WRITTEN, WHILE_WRITTEN (drain_while_writing) or WRITTEN_THROUGH (write_through)
 
     @property
     def size(self) -> int:
@@ -106,8 +113,8 @@ def drain(job: Drain) -> None:
             early.abandon()  # unless it was committed
 
 
-def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[PendingCopy], who: str,
-          start: float) -> None:
+def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[PendingCopy | WrittenThrough],
+          who: str, start: float) -> None:
     index = read_index(job.local, who)
     size = index.files.get(job.data_file)
     try:
@@ -119,15 +126,13 @@ def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[Pend
             src = os.path.join(job.local, job.data_file)
             spans = block_spans([r for r in index.records if r.file == job.data_file], index.checksum_block_bytes,
                                 size, src)
-            seconds = None if early is None else _taken(early, spans, who, src)
-            how = "after the local commit" if seconds is None else (
-                "once written, before the local commit" if job.planned and job.planned.whole
-                else "while it was written")
-            if seconds is None:
+            dst = home.where(job.data_file)
+            if early is not None and _taken(early, spans, who, src):
+                _say_taken(early, who, src, dst, size, job.planned)
+            else:
                 seconds = _retrying(lambda: home.put(job.data_file, src, spans, size, who), job.retry_s,
-                                    f"{who}: copying {src} to {home.where(job.data_file)}")
-            logger.debug("fastpersist: %s: %s copied to %s %s in %.2f s (%.2f GiB/s), every block checked", who, src,
-                         home.where(job.data_file), how, seconds, size / 2**30 / max(seconds, 1e-9))
+                                    f"{who}: copying {src} to {dst}")
+                _say_copied(who, src, dst, "after the local commit", seconds, size)
         _retrying(lambda: home.write(drained_marker(m, job.data_file), b""), job.retry_s,
                   f"{who}: marking {job.data_file} copied in {home.url}")
     except FastPersistError as e:
@@ -145,18 +150,33 @@ def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[Pend
             logger.error("fastpersist: rank 0: %s stays in the local tiers (not durable): %s", m.checkpoint_dir, e)
 
 
-def _taken(early: PendingCopy, spans: list[Span], who: str, src: str) -> Optional[float]:
-    """The seconds of the copy made while ``src`` was written, now put in place since it holds exactly ``spans``;
-    None where it was not (logged: the file is then copied again)."""
+def _taken(early: PendingCopy | WrittenThrough, spans: list[Span], who: str, src: str) -> bool:
+    """Whether the copy of ``src`` made before the local commit is now put in place, since it holds exactly
+    ``spans`` (where not, logged: the file is then copied again)."""
     try:
         if early.commit_if(spans):
-            return early.seconds
+            return True
         reason = "does not match its index"
     except OSError as e:
         reason = f"could not be put in place ({e})"
-    logger.warning("fastpersist: %s: the copy of %s made while it was written %s; copying it again", who, src,
+    logger.warning("fastpersist: %s: the copy of %s made before the local commit %s; copying it again", who, src,
                    reason)
-    return None
+    return False
+
+
+def _say_taken(early: PendingCopy | WrittenThrough, who: str, src: str, dst: str, size: int,
+               planned: Optional[Planned]) -> None:
+    if isinstance(early, WrittenThrough):
+        logger.debug("fastpersist: %s: %s is in %s, written there %s; every block checked as it was written (the "
+                     "same bytes as the local file's, their size and sampled blocks read back)", who, src, dst,
+                     WRITTEN_THROUGH)
+    else:
+        _say_copied(who, src, dst, planned.when if planned else "", early.seconds, size)
+
+
+def _say_copied(who: str, src: str, dst: str, when: str, seconds: float, size: int) -> None:
+    logger.debug("fastpersist: %s: %s copied to %s %s in %.2f s (%.2f GiB/s), every block checked", who, src, dst,
+                 when, seconds, size / 2**30 / max(seconds, 1e-9))
 
 
 class _Written:
@@ -190,32 +210,71 @@ class _Written:
             time.sleep(FOLLOW_POLL_S)
 
     def wait(self, end: int) -> None:
-        """Return once bytes [0, end) are final (``Planned.whole``: once the writer is done); raise where they
-        never will be."""
+        """Return once bytes [0, end) are final (unless it follows the write: once the writer is done); raise
+        where they never will be."""
+        following = self._planned.when == WHILE_WRITTEN
         while True:
             self._gave_up()
             done = self._done()
-            if done or not self._planned.whole:
+            if done or following:
                 if os.fstat(self.fd).st_size - (0 if done else self._planned.settling) >= end:
                     return
                 if done:
                     raise FastPersistError(f"{self.path} has {os.fstat(self.fd).st_size} bytes, not the {end} "
                                            "planned")
-            time.sleep(WRITTEN_POLL_S if self._planned.whole else FOLLOW_POLL_S)
+            time.sleep(FOLLOW_POLL_S if following else WRITTEN_POLL_S)
 
 
-def _follow(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy]:
-    """This rank's data file copied into a persistent directory before the local commit (once or while it is
-    written); None where it is not (an object store, a synchronous save, nothing to write, the save failed, any
-    error: the copy is then made after the commit)."""
+def _written_through(written: _Written, size: int, final: str, who: str) -> Optional[WrittenThrough]:
+    """The writer's write-through copy of the data file (``size`` bytes), once the writer is done; None where it
+    made none (the writer logged why: the file is then copied). Where the save is given up first, what the writer
+    leaves of it is removed."""
+    try:
+        written.wait(size)
+    except FastPersistError:
+        _remove_written_through(final)
+        raise
+    through = written_through_name(final)
+    if not os.path.exists(through):
+        logger.debug("fastpersist: %s: no write-through copy %s; copying %s instead", who, through, written.path)
+        return None
+    return WrittenThrough(through, final)
+
+
+def _remove_written_through(final: str) -> None:
+    """Remove the write-through copies of ``final``, under way or written, each once its writer has let it go
+    (``storage/writer.py`` holds a lock on it while it writes; the lock goes with a writer that dies). The writer
+    made its copy before the local file the drain found, so it is there to be found."""
+    seen: set[str] = set()  # one that cannot be removed is not looked at again
+    while names := set(glob.glob(f"{glob.escape(final)}.*{TMP_SUFFIX}")) - seen:
+        seen |= names
+        for name in names:
+            try:
+                fd = os.open(name, os.O_RDONLY)
+            except FileNotFoundError:  # put in place under its other name meanwhile: found by the next look
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                unlink_quietly(name)
+            finally:
+                os.close(fd)
+
+
+def _follow(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy | WrittenThrough]:
+    """This rank's data file in a persistent directory before the local commit: written there by the rank's
+    writer, or copied once or while it is written; None where it is not (an object store, a synchronous save,
+    nothing to write, the save failed, any error: the copy is then made after the commit)."""
     if job.planned is None or home.local_path is None:
         return None
     written = _Written(job, job.planned)
+    final = os.path.join(home.local_path, job.data_file)
     try:
         written.open()
-        return copy_following(written.fd, written.path, os.path.join(home.local_path, job.data_file),
-                              block_layout(list(job.planned.records), job.planned.block_bytes), job.planned.size,
-                              who, written.wait)
+        through = (_written_through(written, job.planned.size, final, who) if job.planned.when == WRITTEN_THROUGH
+                   else None)
+        return through or copy_following(written.fd, written.path, final,
+                                         block_layout(list(job.planned.records), job.planned.block_bytes),
+                                         job.planned.size, who, written.wait)
     except (FastPersistError, OSError) as e:
         logger.debug("fastpersist: %s: not copying %s before the local commit: %s", who, written.path, e)
         return None

@@ -42,7 +42,7 @@ from ...util.errors import FastPersistError, SaveFailedError
 from ..agreement import Agreement, failure
 from ..directory import invalidate
 from .background import begin_save, drainer, replicator, retainer
-from .drain import Drain, Planned
+from .drain import ONCE_WRITTEN, WHILE_WRITTEN, WRITTEN_THROUGH, Drain, Planned
 from .replicate import Replication
 from .retention import Retention
 from .state import pending_dir
@@ -126,19 +126,31 @@ class TieredSave:
         an async save; a synchronous save's caller waits for its write and
         commits right after), the drain copies the data file (planned as
         ``records``) to a persistent directory once it is written, or while it
-        is written where ``TierConfig.drain_while_writing`` says so, without
-        waiting for the local commit; else after the commit.
+        is written where ``TierConfig.drain_while_writing`` says so, or takes
+        the writer's own copy (``TierConfig.write_through``,
+        :meth:`write_through_to`), without waiting for the local commit; else
+        after the commit.
         """
         if not self.config.persistent:
             return None
         # The writer's own first step, taken before the drain looks: it follows only the file of this save.
         unlink_quietly(os.path.join(self.local, data_file))
         committed: Future[TierManifest] = Future()
+        when = WRITTEN_THROUGH if self.config.write_through else (
+            WHILE_WRITTEN if self.config.drain_while_writing else ONCE_WRITTEN)
         planned = Planned(tuple(records), config.checksum_block_bytes, settling_bytes(self.local, config),
-                          whole=not self.config.drain_while_writing) if records and beside_writer else None
+                          when) if records and beside_writer else None
         drainer().submit(Drain(committed, self.checkpoint_dir, self.local, self.rank, describe_node(), data_file,
                                self.config.retry_s, planned))
         return committed
+
+    def write_through_to(self, data_file: str) -> Optional[str]:
+        """Where an async save's writer also writes ``data_file`` (``TierConfig.write_through``): the persistent
+        directory's copy; None where it does not (off, local only, an object store: copied by the drain)."""
+        if not (self.config.persistent and self.config.write_through):
+            return None
+        home = persistent_dir(self.checkpoint_dir).local_path
+        return None if home is None else os.path.join(home, data_file)
 
     def commit(self, finalize: Callable[[], Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
                aux_files: dict[str, bytes], committed: Optional["Future[TierManifest]"]) -> TierManifest:

@@ -111,6 +111,7 @@ class LoopConfig:
     local_dir: Optional[str] = None  # the local tier of tiered contenders
     persistent: Optional[str] = None  # their persistent tier (a directory or msc:// URL); default the bench's
     drain_while_writing: bool = False  # TierConfig's, for tiered contenders
+    write_through: bool = False  # TierConfig's, for tiered contenders
     nodes: int = 1  # the ranks split into this many nodes on this machine (nodes.py); with 2+, replicas=1
 
     @property
@@ -204,7 +205,8 @@ def _tiered(loop: "LoopConfig") -> _Checkpointer:
         raise ValueError("fastpersist_tiered needs a local tier: bench-train --local-dir PATH")
     return _Ours(loop.bench, megatron_queue=False, tiers=TierConfig(os.path.abspath(loop.local_dir),
                                                                     replicas=loop.replicas,
-                                                                    drain_while_writing=loop.drain_while_writing))
+                                                                    drain_while_writing=loop.drain_while_writing,
+                                                                    write_through=loop.write_through))
 
 
 class _TorchDist(_Checkpointer):
@@ -772,10 +774,11 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory:
             row["replicated_s"] = _med([p for r in reps for p in r.replicated_s])
         rows.append(row)
     notes = [] if torch.cuda.is_available() else [SHIM_NOTE]
+    store = cfg.persistent is not None and is_object_store(cfg.persistent)  # copied by the drain alone
     return {"ranks": cfg.bench.ranks, "nodes": cfg.nodes, "replicas": cfg.replicas, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
             "local_dir": cfg.local_dir, "persistent": cfg.persistent,
-            "drain_while_writing": cfg.drain_while_writing
-            and not (cfg.persistent is not None and is_object_store(cfg.persistent)),
+            "drain_while_writing": cfg.drain_while_writing and not store,
+            "write_through": cfg.write_through and not store,
             "compute_ms": cfg.step_compute_ms, "matmuls_per_step": matmuls, "save_steps": cfg.save_steps,
             "reps": cfg.bench.reps, "directory": cfg.bench.directory,
             "filesystems": {path: describe_filesystem(path) for path in (cfg.bench.directory, cfg.local_dir) if path},
@@ -841,7 +844,7 @@ def format_loop_table(rep: dict) -> str:
                     f"after it" if r.get("replicated_s") is not None else "")
         lines.append(f"{r['name']}: local commit {r['durable_s']:.2f} s after the call{replicas}, durable on the "
                      f"persistent tier {r['persisted_s']:.2f} s after it (as its manifest records){versus}; the drain "
-                     + ("followed the local write" if rep["drain_while_writing"] else "started once each file was written"))
+                     + _drain_said(rep))
         if r.get("restart"):
             s = r["restart"]
             lines.append(f"{r['name']}: restart (last repetition's synchronous save, page cache dropped, median of "
@@ -862,10 +865,17 @@ def format_loop_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def _drain_said(rep: dict) -> str:
+    """How the report's tiered saves reached the persistent tier."""
+    if rep.get("write_through"):
+        return "took each file as the rank's writer wrote it through, beside the local write"
+    return "followed the local write" if rep["drain_while_writing"] else "started once each file was written"
+
+
 def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional[str],
                 compute_ms: Optional[float] = None, local_dir: Optional[str] = None,
-                persistent: Optional[str] = None, drain_while_writing: bool = False, nodes: int = 1
-                ) -> Optional[dict]:
+                persistent: Optional[str] = None, drain_while_writing: bool = False, nodes: int = 1,
+                write_through: bool = False) -> Optional[dict]:
     """:func:`run` for ``fastpersist-dist bench-train``: None, after saying why on stderr, on bad arguments."""
     names = tuple(contenders.split(",")) if contenders else DEFAULT_LOOP_CONTENDERS
     unknown = set(names) - set(CHECKPOINTERS)
@@ -876,6 +886,10 @@ def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional
     if "fastpersist_tiered" in names and local_dir is None:
         print("bench-train: fastpersist_tiered needs --local-dir (its local tier)", file=sys.stderr)
         return None
+    if drain_while_writing and write_through:
+        print("bench-train: --drain-while-writing and --write-through are two ways of the same copy: choose one",
+              file=sys.stderr)
+        return None
     if nodes > 1 and (bench.ranks % nodes or local_dir is None or os.geteuid() != 0):
         print(f"bench-train: --nodes {nodes} needs --ranks a multiple of it, --local-dir, and root (each rank's "
               f"node has its own local tier in a mount namespace)", file=sys.stderr)
@@ -885,5 +899,6 @@ def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional
         print(f"bench-train: --persistent {persistent} needs megatron-core's multi-storage-client support "
               "(megatron-core 0.19)", file=sys.stderr)
         return None
-    return run(LoopConfig(bench, steps, every, compute_ms, local_dir, persistent, drain_while_writing, nodes), names,
+    return run(LoopConfig(bench, steps, every, compute_ms, local_dir, persistent, drain_while_writing, write_through,
+                          nodes), names,
                progress=lambda m: print(m, file=sys.stderr))
