@@ -36,12 +36,15 @@ from fastpersist_dist import (
     FastPersistLoadStrategy,
     IncompleteCheckpointError,
     SaveFailedError,
+    TierConfig,
+    wait_copies,
 )
 from fastpersist_dist.engine.directory import prepare_checkpoint_dir
 from fastpersist_dist.engine.writer_process import writer_client
 from fastpersist_dist.format.index_pages import part_file_name
-from fastpersist_dist.format.records import INDEX_FILE, data_file_name, status_file_name
+from fastpersist_dist.format.records import INDEX_FILE, data_file_name, is_data_file, status_file_name
 from fastpersist_dist.storage.deepspeed_ops import aio_module, ensure_fast_file_writer_usable
+from fastpersist_dist.storage.files import TMP_SUFFIX, written_through_name
 from fastpersist_dist.storage.writer import confirm_on_disk, prepare_direct_writes, write_rank_file
 from fastpersist_dist.tools.ranks import Outcome, run_ranks
 from fastpersist_dist.tools.verify import verify_checkpoint
@@ -230,6 +233,40 @@ def test_async_writer_killed_fails_on_every_rank_and_the_next_save_works(tmp_pat
                 f"of {os.path.join(new, data_file_name(1))} died before it finished" in e.message), e
     assert _files(new) == [], "a failed save removes its data files"
     run_ranks(2, _load_and_verify, f"{root}/again", "w", BIG, 3)
+
+
+def _writer_killed_writing_through(rank: int, world: int, root: str) -> tuple[Raised, list[str]]:
+    strategy = native_strategy(tiers=TierConfig(f"{root}/local", write_through=True))
+    queue, ckpt = AsyncSaveQueue(), f"{root}/new"
+    make_dir(ckpt)
+    big = {"w": sharded("w", torch.ones(HUGE), rank, world, 0)}
+    queue.schedule(dist_checkpointing.save(big, ckpt, sharded_strategy=strategy, async_sharded_save=True, **ASYNC_KW))
+    if rank == 1:  # SIGKILL the writer process in the middle of both writes
+        writer = writer_client().pid
+        copy = f"{ckpt}/{data_file_name(rank)}.{writer}{TMP_SUFFIX}"
+        while not os.path.exists(copy) or not os.path.getsize(copy):
+            time.sleep(0.001)
+        os.kill(writer, signal.SIGSTOP)
+        assert not os.path.exists(written_through_name(f"{ckpt}/{data_file_name(rank)}")), \
+            "the writer finished before it could be stopped mid-write"
+        os.kill(writer, signal.SIGKILL)
+    error = save_error(lambda: queue.maybe_finalize(blocking=True))
+    wait_copies()
+    dist.barrier()  # both ranks' drains done: each lists what either may have left
+    queue.close()
+    return error, sorted(os.listdir(ckpt))
+
+
+def test_async_writer_killed_writing_through_leaves_no_copy_in_the_persistent_directory(tmp_path):
+    """A tiered save writing through to the persistent directory; rank 1's writer dies mid-write: the save
+    fails on every rank, and neither rank's copy stays there (rank 1's drain waits for the dead writer's
+    lock and removes its copy under way; rank 0's removes the copy its writer finished)."""
+    outcomes = run_faulty(2, _writer_killed_writing_through, str(tmp_path))
+    for o in outcomes.values():
+        assert o.kind == "ok", o.value
+        error, left = o.value
+        assert error.kind == "SaveFailedError" and "rank 1: the writer process" in error.message, error
+        assert not [n for n in left if n.endswith(TMP_SUFFIX) or is_data_file(n)], left
 
 
 def _trainer_killed(rank: int, world: int, root: str, pid_file: str) -> Raised:

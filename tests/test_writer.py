@@ -9,6 +9,7 @@ import pytest
 import torch
 from megatron.core.dist_checkpointing import ShardedTensor
 
+from fastpersist_dist.storage.copy import WrittenThrough, block_spans
 from fastpersist_dist.storage.files import written_through_name
 from fastpersist_dist.storage.writer import HOST_COPY_BYTES, write_rank_file
 from fastpersist_dist.tools.ranks import run_ranks
@@ -67,6 +68,27 @@ def _written_through(rank: int, world: int, root: str) -> None:
 
 def test_a_write_through_copy_gets_the_same_bytes_beside_the_file(tmp_path):
     run_ranks(1, _written_through, str(tmp_path))
+
+
+def test_the_drain_takes_a_write_through_copy_only_if_it_holds_this_files_blocks(tmp_path):
+    """A copy of the right size that another save left (other bytes) is removed, not put in place: the drain
+    checks its size and its first and last blocks against the committed checksums."""
+    items = random_records([3 * MiB + 5], 0)
+    cfg = WriteConfig(direct_io="off", checksum_block_mb=1)
+    path = str(tmp_path / "rank.bin")
+    records = write_rank_file(path, items, cfg, 0).records
+    spans = block_spans(records, cfg.checksum_block_bytes, 3 * MiB + 5, path)
+    final = str(tmp_path / "persistent.bin")
+    for other in (True, False):
+        data = bytearray(open(path, "rb").read())
+        if other:
+            data[-1] ^= 1  # the last block another save's
+        with open(written_through_name(final), "wb") as f:
+            f.write(data)
+        assert WrittenThrough(written_through_name(final), final).commit_if(spans) is not other
+        assert not os.path.exists(written_through_name(final)) and os.path.exists(final) is not other
+    with open(final, "rb") as f:
+        assert f.read() == open(path, "rb").read()
 
 
 def _not_written_through(rank: int, world: int, root: str) -> list[str]:

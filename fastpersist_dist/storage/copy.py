@@ -478,12 +478,20 @@ class WrittenThrough:
     path: str
 
     def commit_if(self, spans: list[Span]) -> bool:
-        """Put the copy in place if it has the size of the file ``spans`` cover, else remove it."""
+        """Put the copy in place if it is the file ``spans`` cover: its size, and its first and last blocks
+        holding their checksums (its writer checked it as it checks the local file; these tell it from a copy
+        another save left), else remove it."""
         try:
-            whole = os.stat(self.tmp).st_size == (spans[-1].end if spans else 0)
+            fd = os.open(self.tmp, os.O_RDONLY)
         except FileNotFoundError:
             return False
-        if not whole:
+        try:
+            ours = os.fstat(fd).st_size == (spans[-1].end if spans else 0) and all(
+                digest_bytes(os.pread(fd, s.end - s.start, s.start)) == s.record.checksums[s.block]
+                for s in spans[:1] + spans[-1:])
+        finally:
+            os.close(fd)
+        if not ours:
             self.abandon()
             return False
         os.replace(self.tmp, self.path)

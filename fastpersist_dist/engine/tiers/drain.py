@@ -227,13 +227,8 @@ class _Written:
 
 def _written_through(written: _Written, size: int, final: str, who: str) -> Optional[WrittenThrough]:
     """The writer's write-through copy of the data file (``size`` bytes), once the writer is done; None where it
-    made none (the writer logged why: the file is then copied). Where the save is given up first, what the writer
-    leaves of it is removed."""
-    try:
-        written.wait(size)
-    except FastPersistError:
-        _remove_written_through(final)
-        raise
+    made none (the writer logged why: the file is then copied)."""
+    written.wait(size)
     through = written_through_name(final)
     if not os.path.exists(through):
         logger.debug("fastpersist: %s: no write-through copy %s; copying %s instead", who, through, written.path)
@@ -268,15 +263,17 @@ def _follow(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy |
         return None
     written = _Written(job, job.planned)
     final = os.path.join(home.local_path, job.data_file)
+    through = job.planned.when == WRITTEN_THROUGH
     try:
         written.open()
-        through = (_written_through(written, job.planned.size, final, who) if job.planned.when == WRITTEN_THROUGH
-                   else None)
-        return through or copy_following(written.fd, written.path, final,
-                                         block_layout(list(job.planned.records), job.planned.block_bytes),
-                                         job.planned.size, who, written.wait)
+        taken = _written_through(written, job.planned.size, final, who) if through else None
+        return taken or copy_following(written.fd, written.path, final,
+                                       block_layout(list(job.planned.records), job.planned.block_bytes),
+                                       job.planned.size, who, written.wait)
     except (FastPersistError, OSError) as e:
         logger.debug("fastpersist: %s: not copying %s before the local commit: %s", who, written.path, e)
+        if through:  # the save given up (or the file not written): nothing the writer made of it stays
+            _remove_written_through(final)
         return None
     finally:
         if written.fd >= 0:
