@@ -155,15 +155,16 @@ class SaveEngine:
         self.fmt = fmt
         self.group = group  # ranks that exchange shard lists and plan together (None: the world)
 
-    def load_ops(self) -> None:
+    def load_ops(self, write_through: bool = False) -> None:
         """Load DeepSpeed's native ops and the snapshot's streaming copy here; start the rank's writer process
-        and wait until it serves with this configuration's aio handle and bounce buffer.
+        and wait until it serves with this configuration's aio handle and bounce buffer (``write_through``:
+        and those of its write-through copies, ``TierConfig.write_through``).
 
         Seconds, once per process; without it the first async save becomes durable that much later.
         """
         preload_ops(self.config)
         host_copy.prepare()
-        writer_client().wait_ready(self.config)
+        writer_client().wait_ready(self.config, write_through)
 
     @property
     def plan_reused(self) -> bool:

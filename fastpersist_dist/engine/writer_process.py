@@ -14,9 +14,10 @@ one connection per message, a message being a length-prefixed pickle:
 * ``("buffer", id, nbytes)`` with the memfd attached: map it (the trainer, when
   a snapshot buffer is made, or again for a new writer);
 * ``("drop", id)``: unmap it;
-* ``("ping", config)``: make the aio handle and bounce buffer of ``config`` (a
-  ``WriteConfig``, or None) unless they exist, then answer ``("pong", None)``
-  (the writer is ready);
+* ``("ping", config, write_through)``: make the aio handle and bounce buffer
+  of ``config`` (a ``WriteConfig``, or None), and with ``write_through`` those
+  of the write-through copies, unless they exist, then answer ``("pong",
+  None)`` (the writer is ready);
 * ``("job", WriterJob)``: write the file, leave the status (as any writer does,
   see status.py) and answer ``("done", None)``. The caller (the request's
   ``async_fn``, in whatever process megatron's or our queue runs it) waits for
@@ -211,15 +212,16 @@ class WriterClient:
             self._share(buffer)
         return self._address, self._process.pid
 
-    def wait_ready(self, config: Optional[WriteConfig] = None) -> None:
+    def wait_ready(self, config: Optional[WriteConfig] = None, write_through: bool = False) -> None:
         """Start the writer if needed and wait until it serves (its imports and ops take seconds).
 
-        With ``config``, also until it holds that configuration's aio handle and bounce buffer.
+        With ``config``, also until it holds that configuration's aio handle and bounce buffer (and with
+        ``write_through``, those of its write-through copies).
         """
         address, pid = self.ensure_running()
         try:
             with _connect(address) as sock:
-                _send(sock, ("ping", config))
+                _send(sock, ("ping", config, write_through))
                 _recv(sock)
         except (OSError, EOFError) as e:
             raise FastPersistError(f"the writer process {pid} did not start ({type(e).__name__}: {e})") from e
@@ -289,7 +291,7 @@ class _Writer:
                 _send(conn, self._write(message[1]))
             elif message[0] == "ping":
                 if message[1] is not None:
-                    prepare_direct_writes(message[1])
+                    prepare_direct_writes(message[1], message[2])
                 _send(conn, ("pong", None))
         finally:
             for fd in fds:

@@ -248,8 +248,9 @@ def preload_ops(cfg: WriteConfig) -> None:
         ensure_fast_file_writer_usable()
 
 
-def prepare_direct_writes(cfg: WriteConfig) -> None:
-    """Make this process's aio handle and locked bounce buffer for ``cfg`` now, not in its first write.
+def prepare_direct_writes(cfg: WriteConfig, write_through: bool = False) -> None:
+    """Make this process's aio handle and locked bounce buffer for ``cfg`` now, not in its first write; with
+    ``write_through``, also those of its write-through copies (``COPY_SLOT``).
 
     For the async writer process, before it serves: made inside the first job,
     they would delay that save while a training loop keeps the cores busy.
@@ -260,7 +261,8 @@ def prepare_direct_writes(cfg: WriteConfig) -> None:
     if cfg.direct_io == "off" or not aio_available():
         return
     try:
-        aio_resources(cfg.aio)
+        for slot in (0, COPY_SLOT) if write_through else (0,):
+            aio_resources(cfg.aio, slot)
     except (RuntimeError, OSError) as e:  # LockedMemoryError too: the write warns and falls back, or raises
         logger.debug("fastpersist: aio handle and bounce buffer not made ahead (%s); the first write says why", e)
 

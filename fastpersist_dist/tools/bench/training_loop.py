@@ -181,7 +181,7 @@ class _Ours(_Checkpointer):
         return torch_dist_cpu_shims() if self._megatron else nullcontext()
 
     def start(self, sd: dict) -> None:
-        FastPersistSaveStrategy(config=self._write).load_ops(sd)  # plan + snapshot buffer, as docs/async.md advises
+        self._strategy().load_ops(sd)  # plan + snapshot buffer, as docs/async.md advises
 
     def save(self, sd: dict, ckpt: str) -> None:
         request = dist_checkpointing.save(sd, ckpt, sharded_strategy=self._strategy(), async_sharded_save=True,
