@@ -222,10 +222,16 @@ class TierConfig:
         if not self.local_dir or not os.path.isabs(self.local_dir):
             raise ValueError(f"local_dir must be an absolute path, the same on every node, got {self.local_dir!r}")
         _check_positive(self, "keep_local")
-        if self.write_through and self.drain_while_writing:
-            raise ValueError("write_through and drain_while_writing are two ways of the same copy: choose one")
+        check_copy_modes(self.drain_while_writing, self.write_through)
         if self.replicas < 0 or self.retry_s < 0:
             raise ValueError(f"replicas and retry_s must be >= 0, got {self.replicas} and {self.retry_s}")
+
+
+def check_copy_modes(drain_while_writing: bool, write_through: bool) -> None:
+    """Raise ``ValueError`` where both of ``TierConfig``'s ways of an early copy to the persistent tier are asked
+    for (a tool checks its flags with it before it starts)."""
+    if drain_while_writing and write_through:
+        raise ValueError("write_through and drain_while_writing are two ways of the same copy: choose one")
 
 
 def _is_under(path: str, root: str) -> bool:

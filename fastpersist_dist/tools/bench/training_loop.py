@@ -72,7 +72,7 @@ from ...storage.persistent import PosixDir, is_object_store, persistent_dir
 from ...storage.shared_memory import SharedBuffer
 from ...strategies.fastpersist_load import FastPersistLoadStrategy
 from ...strategies.fastpersist_save import FastPersistSaveStrategy
-from ...util.config import TierConfig
+from ...util.config import TierConfig, check_copy_modes
 from .baselines import CHECKSUMMED_BOUND, CONTENDERS, DEVICE_BOUND, SHIM_NOTE, even_share, torch_dist_cpu_shims
 from .gpt_state import GptShape, gpt_sharded_state_dict
 from .nodes import become_node, node_dir, node_of, ranks_per_node
@@ -886,9 +886,10 @@ def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional
     if "fastpersist_tiered" in names and local_dir is None:
         print("bench-train: fastpersist_tiered needs --local-dir (its local tier)", file=sys.stderr)
         return None
-    if drain_while_writing and write_through:
-        print("bench-train: --drain-while-writing and --write-through are two ways of the same copy: choose one",
-              file=sys.stderr)
+    try:
+        check_copy_modes(drain_while_writing, write_through)
+    except ValueError as e:
+        print(f"bench-train: --drain-while-writing, --write-through: {e}", file=sys.stderr)
         return None
     if nodes > 1 and (bench.ranks % nodes or local_dir is None or os.geteuid() != 0):
         print(f"bench-train: --nodes {nodes} needs --ranks a multiple of it, --local-dir, and root (each rank's "
