@@ -119,6 +119,60 @@ def test_a_save_never_finalized_leaves_nothing_in_the_persistent_directory(tmp_p
 
 
 
+LATE_WRITE = textwrap.dedent("""
+    import atexit
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from fastpersist_dist import ASYNC_SAVE_KWARGS, FastPersistSaveStrategy, TierConfig
+
+    local, ckpt = sys.argv[1:3]
+    caller = {}
+
+    def write_late():  # registered before the save: runs after fastpersist's own exit hook
+        os.write(caller["go"], b"x")
+        _, status = os.waitpid(caller["pid"], 0)
+        print("written late", os.waitstatus_to_exitcode(status), flush=True)
+
+    atexit.register(write_late)
+    dist.init_process_group("gloo")
+    w = torch.arange(4 << 20, dtype=torch.float32)
+    sd = {"w": ShardedTensor.from_rank_offsets("w", w, replica_id=0)}
+    tiers = TierConfig(os.path.abspath(local), write_through=True)
+    request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(tiers=tiers),
+                                      async_sharded_save=True, **ASYNC_SAVE_KWARGS)
+    wait, go = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a forking async caller, as megatron's: its write starts once the trainer is exiting
+        os.close(go)
+        os.read(wait, 1)
+        request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+        os._exit(0)
+    os.close(wait)
+    caller.update(go=go, pid=pid)
+    print("exiting", flush=True)
+""")
+
+
+def test_a_write_through_that_starts_after_the_exit_began_leaves_nothing(tmp_path):
+    """An async save written through, never finalized, whose write reaches the rank's writer only after the
+    process began to exit (its drain given up before anything was written): the writer is stopped before the
+    drain gives up, so the late job fails and no copy appears in the persistent directory after the drain's
+    look."""
+    ckpt, local = tmp_path / "persistent" / "step1", tmp_path / "local"
+    ckpt.mkdir(parents=True)
+    done = run_one_rank_script(LATE_WRITE, str(local), str(ckpt))
+    assert done.returncode == 0 and "written late 0" in done.stdout, done.stderr[-3000:]
+    assert "stopped as the trainer exited with this save not finalized" in done.stderr, done.stderr[-3000:]
+    assert not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX) or is_data_file(n)], os.listdir(ckpt)
+    assert checkpoint_state(str(ckpt)) is None
+
+
 def _saved_twice_into_one_directory(rank: int, world: int, root: str, second: str) -> dict:
     """A tiered save, then a save into the same directory (tiered or not: ``second``) while rank 1 has not yet
     copied its file of the first: a job queued ahead of that copy on rank 1's drain thread holds it until the

@@ -164,7 +164,8 @@ def write_in_writer(address: str, writer_pid: int, job: WriterJob) -> None:
     except (OSError, EOFError, pickle.UnpicklingError, FastPersistError) as e:
         cause = e if isinstance(e, FastPersistError) else FastPersistError(
             f"rank {job.rank}: the writer process (pid {writer_pid}) of {path} died before it finished "
-            f"({type(e).__name__}: {e}); was it killed (e.g. by the OOM killer)?")
+            f"({type(e).__name__}: {e}); was it killed (e.g. by the OOM killer), or stopped as the trainer exited "
+            "with this save not finalized?")
         logger.error("fastpersist: %s", cause)
         write_status(job.checkpoint_dir, job.rank, None, cause)
 
@@ -226,6 +227,24 @@ class WriterClient:
         except (OSError, EOFError) as e:
             raise FastPersistError(f"the writer process {pid} did not start ({type(e).__name__}: {e})") from e
 
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Let the writer finish the jobs handed to it so far, then exit (killed after ``timeout`` s): what it
+        makes is then all there, none of it locked. A job handed to it later fails (a failure status). For a
+        process that ends (an async save never finalized: ``tiers/background.py``); a later save starts a new
+        writer."""
+        if self._process is None or self._process.poll() is not None:
+            return
+        self._tell(("stop",))
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("fastpersist: writer process %d still writing after %.0f s; killing it", self._process.pid,
+                           timeout)
+            self._process.kill()
+            self._process.wait()
+        logger.debug("fastpersist: writer process %d stopped (%s)", self._process.pid,
+                     _exit_description(self._process.returncode))
+
     def add_buffer(self, buffer: SharedBuffer) -> None:
         """Let the writer map ``buffer`` (no wait: it is read before any later job)."""
         self._buffers[buffer.id] = buffer
@@ -280,7 +299,8 @@ class _Writer:
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
-    def handle(self, conn: socket.socket) -> None:
+    def handle(self, conn: socket.socket) -> bool:
+        """Serve one request; False once told to stop."""
         message, fds = _recv(conn)
         try:
             if message[0] == "buffer":
@@ -293,9 +313,12 @@ class _Writer:
                 if message[1] is not None:
                     prepare_direct_writes(message[1], message[2])
                 _send(conn, ("pong", None))
+            elif message[0] == "stop":
+                return False
         finally:
             for fd in fds:
                 os.close(fd)
+        return True
 
     def _write(self, job: WriterJob) -> tuple[str, Optional[str]]:
         try:
@@ -340,6 +363,7 @@ def main(argv: list[str]) -> None:
                 logger.warning("fastpersist: writer refused a connection from uid %d", _peer_uid(conn))
                 continue
             try:
-                writer.handle(conn)
+                if not writer.handle(conn):
+                    return
             except (OSError, EOFError, pickle.UnpicklingError) as e:  # that caller is gone; serve the next
                 logger.warning("fastpersist: writer: a request failed: %s", e)

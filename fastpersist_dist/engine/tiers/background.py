@@ -33,7 +33,8 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 from ...storage.persistent import checkpoint_url
 from ...storage.recycle import empty_pools
 from ...util.per_process import PerProcess
-from .drain import Drain, drain
+from ..writer_process import writer_client
+from .drain import WRITTEN_THROUGH, Drain, drain
 from .removal import Removal, SavesBegun, remove
 from .replicate import Replication, replicate
 from .retention import Retention, retain
@@ -223,14 +224,26 @@ def wait_copies(timeout: Optional[float] = None) -> bool:
 
 
 def _give_up_uncommitted() -> None:
-    """Drains of saves whose local commit never came (their finalize did not run): nothing of them is kept."""
+    """Drains of saves whose local commit never came (their finalize did not run): nothing of them is kept. Where
+    one writes through, the rank's writer is stopped first, once done with the jobs handed to it: a job that
+    reached it only after that drain had looked (from a forked async caller, still running) would leave its copy
+    in the persistent directory."""
     if not _drainer.made():
         return
-    for job in _drainer.get().open_jobs():
+    given_up = [job for job in _drainer.get().open_jobs() if not job.committed.done()]
+    if any(job.planned is not None and job.planned.when == WRITTEN_THROUGH for job in given_up):
+        writer_client().stop(_exit_limit())
+    for job in given_up:
         try:
             job.committed.set_exception(RuntimeError("the save was never finalized (process exiting)"))
         except InvalidStateError:  # committed (or failed) after all
             pass
+
+
+def _exit_limit() -> Optional[float]:
+    """The most seconds an exit waits for copies (``FASTPERSIST_EXIT_WAIT_S``); None: no bound."""
+    limit = os.environ.get(EXIT_WAIT_ENV)
+    return float(limit) if limit else None
 
 
 def _wait_at_exit() -> None:
@@ -246,11 +259,11 @@ def _wait_for_copies() -> None:
     pending = sum(w.pending for w in _workers())
     if not pending:
         return
-    limit = os.environ.get(EXIT_WAIT_ENV)
+    limit = _exit_limit()
     logger.warning("fastpersist: waiting for %d checkpoint copies (replicas, drains to the persistent tier) to finish "
-                   "before this process exits%s", pending, f" (at most {limit} s, {EXIT_WAIT_ENV})" if limit else
-                   f"; {EXIT_WAIT_ENV} bounds the wait")
-    if not wait_copies(float(limit) if limit else None):
+                   "before this process exits%s", pending, f" (at most {limit:g} s, {EXIT_WAIT_ENV})"
+                   if limit is not None else f"; {EXIT_WAIT_ENV} bounds the wait")
+    if not wait_copies(limit):
         logger.error("fastpersist: exiting with checkpoint copies unfinished: those checkpoints stay in the local "
                      "tiers (not durable)")
 
