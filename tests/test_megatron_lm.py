@@ -36,6 +36,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from fastpersist_dist import (
     FastPersistLoadStrategy,
     FastPersistSaveStrategy,
+    TierConfig,
     checkpoint_state,
     compat,
     prepare_checkpoint_dir,
@@ -206,6 +207,28 @@ def test_local_checkpoint_flags_translate_onto_tiers():
     assert unreplicated.tiers.local_only_under == "/np"
     with pytest.raises(FastPersistError, match="needs --non-persistent-local-ckpt-dir"):
         megatron_lm.translate_local_flags(["--non-persistent-ckpt-type", "local"])
+
+
+def test_the_runners_own_flags_set_what_megatron_lm_has_no_flag_for():
+    """``--fastpersist-*``: TierConfig's knobs that Megatron-LM has no flag for, taken out of its arguments;
+    refused without local checkpoints, and where TierConfig refuses them (naming the flags)."""
+    local = ["--save", "/ckpt", "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "/nvme"]
+    assert megatron_lm.translate_local_flags(local).tiers == TierConfig("/nvme", local_only_under="/ckpt/non_persistent")
+    flags = megatron_lm.translate_local_flags([*local, "--fastpersist-keep-local=3", "--fastpersist-write-through"])
+    assert flags.argv == ["--save", "/ckpt", "--non-persistent-ckpt-type", "global"]
+    assert flags.tiers is not None and (flags.tiers.keep_local, flags.tiers.write_through,
+                                        flags.tiers.drain_while_writing) == (3, True, False)
+    following = megatron_lm.translate_local_flags([*local, "--fastpersist-drain-while-writing", "--fastpersist-keep-local",
+                                                   "1"])
+    assert following.tiers is not None and (following.tiers.keep_local, following.tiers.drain_while_writing) == (1, True)
+    with pytest.raises(FastPersistError, match="--fastpersist-write-through: settings of local checkpoints, which "
+                                               "need --non-persistent-ckpt-type local"):
+        megatron_lm.translate_local_flags(["--save", "/ckpt", "--fastpersist-write-through"])
+    with pytest.raises(FastPersistError, match="--fastpersist-write-through --fastpersist-drain-while-writing: "
+                                               "write_through and drain_while_writing"):
+        megatron_lm.translate_local_flags([*local, "--fastpersist-write-through", "--fastpersist-drain-while-writing"])
+    with pytest.raises(FastPersistError, match="--fastpersist-keep-local: keep_local must be >= 1, got 0"):
+        megatron_lm.translate_local_flags([*local, "--fastpersist-keep-local", "0"])
 
 
 def test_enable_refuses_a_module_without_the_seams():

@@ -66,6 +66,10 @@ DROPPED_FLAGS = ("--replication-jump", "--non-persistent-local-ckpt-algo")  # no
 GLOBAL_DIR_FLAG, SAVE_FLAG = "--non-persistent-global-ckpt-dir", "--save"
 NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's default home of non-persistent checkpoints, under --save
 DEFAULT_FACTOR = 2  # Megatron-LM's --replication-factor: the machines holding a rank's data, its own included
+# The runner's own flags for what Megatron-LM has no flag for (TierConfig's), taken out before Megatron-LM parses
+KEEP_LOCAL_FLAG = "--fastpersist-keep-local"
+WRITE_THROUGH_FLAG, DRAIN_WHILE_WRITING_FLAG = "--fastpersist-write-through", "--fastpersist-drain-while-writing"
+RUNNER_FLAGS = (KEEP_LOCAL_FLAG, WRITE_THROUGH_FLAG, DRAIN_WHILE_WRITING_FLAG)
 
 
 @dataclass(frozen=True)
@@ -86,26 +90,34 @@ def translate_local_flags(argv: list[str]) -> LocalCheckpointFlags:
     ``global`` ones, under ``--non-persistent-global-ckpt-dir`` (default
     ``SAVE/non_persistent``), which stay local (replicated, never copied to the
     persistent tier); its persistent ones (``--save-interval``) are copied to
-    ``--save`` in the background. Other arguments pass unchanged.
+    ``--save`` in the background. The runner's own ``--fastpersist-keep-local
+    N``, ``--fastpersist-write-through`` and ``--fastpersist-drain-while-writing``
+    set ``TierConfig``'s ``keep_local``, ``write_through`` and
+    ``drain_while_writing`` (with local checkpoints only). Other arguments pass
+    unchanged.
     """
     values: dict[str, Optional[str]] = {}
     rest: list[str] = []
-    takes_value = (TYPE_FLAG, LOCAL_DIR_FLAG, FACTOR_FLAG, *DROPPED_FLAGS)
+    takes_value = (TYPE_FLAG, LOCAL_DIR_FLAG, FACTOR_FLAG, KEEP_LOCAL_FLAG, *DROPPED_FLAGS)
+    switches = (REPLICATION_FLAG, WRITE_THROUGH_FLAG, DRAIN_WHILE_WRITING_FLAG)
     i = 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
         if flag in takes_value:
             if not eq:
                 if i + 1 >= len(argv):
-                    raise FastPersistError(f"Megatron-LM's {flag} needs a value")
+                    raise FastPersistError(f"{flag} needs a value")
                 value, i = argv[i + 1], i + 1
             values[flag] = value
-        elif flag == REPLICATION_FLAG and not eq:
+        elif flag in switches and not eq:
             values[flag] = None
         else:
             rest.append(argv[i])
         i += 1
+    ours = [f for f in RUNNER_FLAGS if f in values]
     if values.get(TYPE_FLAG) != "local":
+        if ours:
+            raise FastPersistError(f"{', '.join(ours)}: settings of local checkpoints, which need {TYPE_FLAG} local")
         return LocalCheckpointFlags(list(argv), None)  # no local checkpoints: Megatron-LM's arguments as they were
     local_dir = values.get(LOCAL_DIR_FLAG)
     if not local_dir:
@@ -118,7 +130,14 @@ def translate_local_flags(argv: list[str]) -> LocalCheckpointFlags:
     if non_persistent is None:
         save = _value(rest, SAVE_FLAG)
         non_persistent = os.path.join(save, NON_PERSISTENT_SUBDIR) if save else None
-    tiers = TierConfig(os.path.abspath(local_dir), replicas=factor - 1, local_only_under=non_persistent)
+    try:
+        keep = values.get(KEEP_LOCAL_FLAG)
+        tiers = TierConfig(os.path.abspath(local_dir), replicas=factor - 1, local_only_under=non_persistent,
+                           keep_local=int(keep) if keep else TierConfig.keep_local,
+                           write_through=WRITE_THROUGH_FLAG in values,
+                           drain_while_writing=DRAIN_WHILE_WRITING_FLAG in values)
+    except ValueError as e:
+        raise FastPersistError(f"{' '.join(ours)}: {e}") from e
     return LocalCheckpointFlags([*rest, TYPE_FLAG, "global"], tiers)
 
 
@@ -209,8 +228,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as for `python SCRIPT` (a Megatron-LM checkout's
     if flags.tiers is not None:                               # pretrain_gpt.py: its megatron.training imports)
         (logger.info if os.environ.get("RANK", "0") == "0" else logger.debug)(
-            "fastpersist: Megatron-LM's local checkpoints go to %s on each node with %d replicas; persistent ones "
-            "are then copied to --save, non-persistent ones (under %s) stay local", flags.tiers.local_dir,
-            flags.tiers.replicas, flags.tiers.local_only_under)
+            "fastpersist: Megatron-LM's local checkpoints go to %s on each node with %d replicas, the last %d kept "
+            "there; persistent ones are then copied to --save%s, non-persistent ones (under %s) stay local",
+            flags.tiers.local_dir, flags.tiers.replicas, flags.tiers.keep_local,
+            " (written through by each rank's writer)" if flags.tiers.write_through else
+            " (while they are written)" if flags.tiers.drain_while_writing else "", flags.tiers.local_only_under)
     enable(tiers=flags.tiers)
     runpy.run_path(script, run_name="__main__")
