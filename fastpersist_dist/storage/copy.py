@@ -39,7 +39,7 @@ from typing import Callable, Iterator, Optional
 from ..format.checksum import digest_bytes
 from ..format.records import ShardRecord
 from ..util.errors import CorruptCheckpointError, FastPersistError
-from .files import fsync_path, process_temporary, unlink_quietly
+from .files import process_temporary, replace_durably, unlink_quietly
 from .mounts import on_memory_filesystem
 from .recycle import take
 
@@ -218,9 +218,8 @@ class AtomicFile:
             os.ftruncate(self._fd, self._length)
         os.fsync(self._fd)
         self._close()
-        os.replace(self._tmp, self.path)
+        replace_durably(self._tmp, self.path)
         self._tmp = ""
-        fsync_path(os.path.dirname(self.path) or ".")
 
     def _close(self) -> None:
         if self._fd is not None:
@@ -496,9 +495,8 @@ class WrittenThrough:
         if not ours:
             self.abandon()
             return False
-        os.replace(self.tmp, self.path)
+        replace_durably(self.tmp, self.path)
         self.tmp = ""
-        fsync_path(os.path.dirname(self.path) or ".")
         return True
 
     def abandon(self) -> None:

@@ -49,6 +49,13 @@ def written_through_name(path: str) -> str:
     return f"{path}.through{TMP_SUFFIX}"
 
 
+def replace_durably(tmp: str, path: str) -> None:
+    """Rename the complete (fsynced) file ``tmp`` over ``path``, the rename made durable: readers see the old
+    file, or the whole new one, after a crash too."""
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(path) or ".")
+
+
 def atomic_write(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file, or the whole new one."""
     tmp = f"{path}{TMP_SUFFIX}"
@@ -57,11 +64,10 @@ def atomic_write(path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
     except BaseException:
         unlink_quietly(tmp)  # e.g. a full disk: leave no half-written temp file behind
         raise
-    fsync_path(os.path.dirname(path) or ".")
 
 
 MAKING_PREFIX = ".fastpersist_making."  # made_once's lock file beside each file it makes
