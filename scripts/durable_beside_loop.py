@@ -80,8 +80,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[flo
             prepare_checkpoint_dir(async_dir)
             dist.barrier()
             start, called_at = time.perf_counter(), time.time()
-            queue.schedule(dist_checkpointing.save(t.sd, async_dir, sharded_strategy=FastPersistSaveStrategy(tiers=tiers),
-                                                   async_sharded_save=True, **ASYNC_SAVE_KWARGS))
+            strategy = FastPersistSaveStrategy(tiers=tiers)
+            queue.schedule(dist_checkpointing.save(t.sd, async_dir, sharded_strategy=strategy, async_sharded_save=True,
+                                                   **ASYNC_SAVE_KWARGS))
             while True:
                 step()
                 if queue.maybe_finalize(blocking=False):

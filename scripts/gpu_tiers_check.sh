@@ -24,7 +24,8 @@ if [ -n "${WHEELS:-}" ]; then
     lib="$offline/root/usr/lib/x86_64-linux-gnu"
     export PYTHONPATH="$PWD:$offline/site${PYTHONPATH:+:$PYTHONPATH}"
     export CPATH="$offline/root/usr/include${CPATH:+:$CPATH}"
-    export LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}" LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+    export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export TORCH_EXTENSIONS_DIR=/tmp/fp-offline/torch_ext
 fi
 "$py" -c 'import torch; print("gpu_tiers_check: torch", torch.__version__, "CUDA" if torch.cuda.is_available()

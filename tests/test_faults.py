@@ -37,6 +37,7 @@ from fastpersist_dist import (
     IncompleteCheckpointError,
     SaveFailedError,
     TierConfig,
+    checkpoint_state,
     wait_copies,
 )
 from fastpersist_dist.engine.directory import prepare_checkpoint_dir
@@ -58,6 +59,7 @@ from .helpers import (
     flip_bit,
     global_tensor,
     load,
+    logged,
     make_dir,
     native_strategy,
     save,
@@ -444,6 +446,49 @@ def test_disk_full_at_commit_commits_nothing(small_fs):
         assert "No space left on device" in e.message, e
     assert _files(f"{small_fs}/new") == [], "no index, no temp file, no data files"
     run_ranks(1, _load_and_verify, f"{small_fs}/prev", "s", SMALL, 1)
+
+
+def _persistent_tier_full(rank: int, world: int, fs: str, local: str, write_through: bool) -> dict:
+    """A tiered async save whose persistent directory (the 8 MiB ``fs``) cannot hold either rank's 16 MiB file:
+    the save commits locally, its copies fail until ``retry_s`` ends, and it loads from the local tiers."""
+    records = logged("fastpersist_dist", logging.INFO)
+    tiers = TierConfig(local, write_through=write_through, retry_s=1.0)
+    queue, ckpt = AsyncSaveQueue(), f"{fs}/ckpt"
+    make_dir(ckpt)
+    queue.schedule(dist_checkpointing.save(_sd("w", BIG, rank, world, 4), ckpt,
+                                           sharded_strategy=native_strategy(tiers=tiers), async_sharded_save=True,
+                                           **ASYNC_KW))
+    queue.maybe_finalize(blocking=True)  # raises if the save failed
+    assert wait_copies(timeout=120)
+    dist.barrier()
+    want = global_tensor("w", BIG, salt=4)
+    req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(want), replica_id=rank)}
+    loaded = dist_checkpointing.load(req, ckpt, sharded_strategy=FastPersistLoadStrategy())["w"]
+    queue.close()
+    return {"state": checkpoint_state(ckpt), "equal": torch.equal(loaded, want), "left": sorted(os.listdir(ckpt)),
+            "said": [(r.levelname, r.getMessage()) for r in records if r.levelno >= logging.WARNING]}
+
+
+@pytest.mark.parametrize("write_through", [False, True], ids=["drained", "written through"])
+def test_a_full_persistent_directory_leaves_the_checkpoint_local_and_loadable(small_fs, tmp_path, write_through):
+    """The persistent tier fills up during a tiered save (each rank's file, copied by the drain or written
+    through by its writer, is twice the filesystem): the save still commits on the local tiers; each rank's copy
+    fails, is tried again until ``retry_s`` has passed, and each rank says the checkpoint stays in the local
+    tiers, naming itself, its node and the file; no data file or partial copy stays in the persistent directory
+    (what a written-through copy took is freed before the local commit writes the index and megatron's files
+    there); it loads from the local tiers with the saved values."""
+    outcomes = run_faulty(2, _persistent_tier_full, small_fs, str(tmp_path / "local"), write_through)
+    for rank, o in outcomes.items():
+        assert o.kind == "ok", o.value
+        got = o.value
+        assert got["state"] == "local" and got["equal"], got
+        assert not [n for n in got["left"] if is_data_file(n) or n.endswith(TMP_SUFFIX)], got["left"]
+        copy = os.path.join(small_fs, "ckpt", data_file_name(rank))
+        said = "\n".join(f"{level} {m}" for level, m in got["said"])
+        assert [m for level, m in got["said"] if level == "WARNING" and f"rank {rank} (" in m and copy in m
+                and "No space left on device" in m and "trying again" in m], said
+        assert [m for level, m in got["said"] if level == "ERROR" and f"rank {rank} (" in m and
+                f"{small_fs}/ckpt stays in the local tiers" in m and "kept failing for 1 s" in m], said
 
 
 def _read_only(rank: int, world: int, fs: str) -> list[str]:

@@ -213,14 +213,15 @@ def test_the_runners_own_flags_set_what_megatron_lm_has_no_flag_for():
     """``--fastpersist-*``: TierConfig's knobs that Megatron-LM has no flag for, taken out of its arguments;
     refused without local checkpoints, and where TierConfig refuses them (naming the flags)."""
     local = ["--save", "/ckpt", "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "/nvme"]
-    assert megatron_lm.translate_local_flags(local).tiers == TierConfig("/nvme", local_only_under="/ckpt/non_persistent")
+    default = TierConfig("/nvme", local_only_under="/ckpt/non_persistent")
+    assert megatron_lm.translate_local_flags(local).tiers == default
     flags = megatron_lm.translate_local_flags([*local, "--fastpersist-keep-local=3", "--fastpersist-write-through"])
     assert flags.argv == ["--save", "/ckpt", "--non-persistent-ckpt-type", "global"]
     assert flags.tiers is not None and (flags.tiers.keep_local, flags.tiers.write_through,
                                         flags.tiers.drain_while_writing) == (3, True, False)
-    following = megatron_lm.translate_local_flags([*local, "--fastpersist-drain-while-writing", "--fastpersist-keep-local",
-                                                   "1"])
-    assert following.tiers is not None and (following.tiers.keep_local, following.tiers.drain_while_writing) == (1, True)
+    following = megatron_lm.translate_local_flags([*local, "--fastpersist-drain-while-writing",
+                                                   "--fastpersist-keep-local", "1"]).tiers
+    assert following is not None and (following.keep_local, following.drain_while_writing) == (1, True)
     with pytest.raises(FastPersistError, match="--fastpersist-write-through: settings of local checkpoints, which "
                                                "need --non-persistent-ckpt-type local"):
         megatron_lm.translate_local_flags(["--save", "/ckpt", "--fastpersist-write-through"])
