@@ -27,12 +27,12 @@ from fastpersist_dist import (FastPersistLoadStrategy, FastPersistSaveStrategy, 
                               wait_durable)
 from fastpersist_dist.format.checksum import digest_bytes
 from fastpersist_dist.engine.tiers.background import drainer
-from fastpersist_dist.engine.tiers.drain import Drain, _committed_index, _remove_stale_files
+from fastpersist_dist.engine.tiers.drain import STALE_COPY_S, Drain, _committed_index, _remove_stale_files
 from fastpersist_dist.engine.tiers.state import (POLL_OBJECT_STORE_S, POLL_S, drained_marker, failed_marker,
                                                  poll_pauses)
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import LOCAL, TierManifest
-from fastpersist_dist.storage.files import TMP_SUFFIX
+from fastpersist_dist.storage.files import TMP_SUFFIX, written_through_name
 from fastpersist_dist.storage.persistent import PosixDir
 from fastpersist_dist.util.errors import FastPersistError
 from fastpersist_dist.tools.ranks import run_ranks
@@ -59,9 +59,15 @@ def test_rank_0_clears_an_earlier_checkpoint_and_keeps_what_this_one_is_writing(
     ]
     stale = ["__2_0.distcp", f"__2_0.distcp.123{TMP_SUFFIX}", drained_marker(before, "__0_0.distcp"),
              drained_marker(before, "__1_0.distcp") + TMP_SUFFIX, f"common.pt{TMP_SUFFIX}"]
+    # Copies of this checkpoint's files that an earlier save into the directory left when it died, last written
+    # long before this one's call: under way, and written through.
+    dead = [f"__0_0.distcp.123{TMP_SUFFIX}", os.path.basename(written_through_name("__1_0.distcp"))]
     others = ["common.pt", "metadata.json"]
-    for name in ours + stale + others:
+    for name in ours + stale + dead + others:
         open(os.path.join(home, name), "wb").close()
+    for name in dead:
+        old = now.created - STALE_COPY_S - 60
+        os.utime(os.path.join(home, name), (old, old))
     _remove_stale_files(PosixDir(home), now)
     assert sorted(os.listdir(home)) == sorted(ours + others)
 

@@ -58,6 +58,9 @@ LONGEST_PAUSE_S = 30.0
 
 FOLLOW_POLL_S = 0.002  # how often a copy that follows a write looks at the file's length
 WRITTEN_POLL_S = 0.01  # how often a copy waiting for the whole file looks for the writer's status
+# A copy under a temporary name last written this long before a checkpoint's local commit is not one of that
+# checkpoint's (its copies are written after its call): an earlier save's that died, which rank 0 removes.
+STALE_COPY_S = 3600.0
 
 # When an async save's data file reaches a persistent directory (``Planned.when``), as the drain logs it.
 ONCE_WRITTEN = "once written, before the local commit"
@@ -370,8 +373,21 @@ def _remove_stale_files(home: PersistentDir, m: TierManifest) -> None:
     for name in home.names():
         if name in keep or name.startswith(ours):
             continue
-        if name.endswith(TMP_SUFFIX) and name[: -len(TMP_SUFFIX)].rsplit(".", 1)[0] in keep:
-            continue  # a copy of this checkpoint under way
+        if (name.endswith(TMP_SUFFIX) and name[: -len(TMP_SUFFIX)].rsplit(".", 1)[0] in keep
+                and not _written_long_before(home, name, m.created)):
+            continue  # a copy of this checkpoint under way (or written through, waiting for this drain)
         if is_data_file(name) or name.endswith(TMP_SUFFIX) or name.startswith(DRAINED_PREFIX):
             stale.append(name)
     home.remove_all(stale)
+
+
+def _written_long_before(home: PersistentDir, name: str, created: float) -> bool:
+    """Whether the temporary copy ``name`` was last written ``STALE_COPY_S`` or more before the local commit at
+    ``created``: left by an earlier save into the directory that died (this save's copies are written after its
+    call), not one of this checkpoint's. An object store has no temporary names."""
+    if home.local_path is None:
+        return False
+    try:
+        return os.stat(os.path.join(home.local_path, name)).st_mtime < created - STALE_COPY_S
+    except FileNotFoundError:  # put in place or removed meanwhile
+        return False
