@@ -450,7 +450,8 @@ def test_disk_full_at_commit_commits_nothing(small_fs):
 
 def _persistent_tier_full(rank: int, world: int, fs: str, local: str, write_through: bool) -> dict:
     """A tiered async save whose persistent directory (the 8 MiB ``fs``) cannot hold either rank's 16 MiB file:
-    the save commits locally, its copies fail until ``retry_s`` ends, and it loads from the local tiers."""
+    the save commits locally, its copies are refused until ``retry_s`` ends, and it loads from the local
+    tiers."""
     records = logged("fastpersist_dist", logging.INFO)
     tiers = TierConfig(local, write_through=write_through, retry_s=1.0)
     queue, ckpt = AsyncSaveQueue(), f"{fs}/ckpt"
@@ -470,13 +471,13 @@ def _persistent_tier_full(rank: int, world: int, fs: str, local: str, write_thro
 
 
 @pytest.mark.parametrize("write_through", [False, True], ids=["drained", "written through"])
-def test_a_full_persistent_directory_leaves_the_checkpoint_local_and_loadable(small_fs, tmp_path, write_through):
-    """The persistent tier fills up during a tiered save (each rank's file, copied by the drain or written
-    through by its writer, is twice the filesystem): the save still commits on the local tiers; each rank's copy
-    fails, is tried again until ``retry_s`` has passed, and each rank says the checkpoint stays in the local
-    tiers, naming itself, its node and the file; no data file or partial copy stays in the persistent directory
-    (what a written-through copy took is freed before the local commit writes the index and megatron's files
-    there); it loads from the local tiers with the saved values."""
+def test_a_persistent_directory_without_room_leaves_the_checkpoint_local(small_fs, tmp_path, write_through):
+    """The persistent directory has no room for a tiered save's files (each rank's file, to be copied by the
+    drain or written through by its writer, is twice the filesystem): the save still commits on the local
+    tiers and loads from there (no copy starts where it would leave under ``COPY_HEADROOM_BYTES`` free, so the
+    commit's files find room); each rank's copy is refused, tried again until ``retry_s`` has passed, and each
+    rank says the checkpoint stays in the local tiers, naming itself, its node and the file; no data file or
+    partial copy stays in the persistent directory."""
     outcomes = run_faulty(2, _persistent_tier_full, small_fs, str(tmp_path / "local"), write_through)
     for rank, o in outcomes.items():
         assert o.kind == "ok", o.value
@@ -486,7 +487,7 @@ def test_a_full_persistent_directory_leaves_the_checkpoint_local_and_loadable(sm
         copy = os.path.join(small_fs, "ckpt", data_file_name(rank))
         said = "\n".join(f"{level} {m}" for level, m in got["said"])
         assert [m for level, m in got["said"] if level == "WARNING" and f"rank {rank} (" in m and copy in m
-                and "No space left on device" in m and "trying again" in m], said
+                and f"no room for {copy}: " in m and "bytes to write" in m and "trying again" in m], said
         assert [m for level, m in got["said"] if level == "ERROR" and f"rank {rank} (" in m and
                 f"{small_fs}/ckpt stays in the local tiers" in m and "kept failing for 1 s" in m], said
 

@@ -38,6 +38,31 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
+# What a copy into a persistent directory leaves free on its filesystem, or it does not start: the
+# checkpoint's own index, megatron's metadata and a framework's tracker file go there after it.
+COPY_HEADROOM_BYTES = 64 << 20
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still put on ``directory``'s filesystem (quotas aside)."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def no_room_for(path: str, nbytes: int) -> Optional[str]:
+    """Why a copy of ``nbytes`` to ``path`` does not start (its filesystem would keep under
+    ``COPY_HEADROOM_BYTES`` free), or None: a copy that fills a shared filesystem fails the writes of everything
+    else there (a checkpoint's commit among them) until it gives up, and a retry would fill it again."""
+    try:
+        free = free_bytes(os.path.dirname(path) or ".")
+    except OSError:  # the directory missing, say: the copy's own error says so
+        return None
+    if free >= nbytes + COPY_HEADROOM_BYTES:
+        return None
+    return (f"no room for {path}: {nbytes} bytes to write, {free} free on its filesystem "
+            f"({COPY_HEADROOM_BYTES >> 20} MiB of it kept free)")
+
+
 def process_temporary(path: str) -> str:
     """``path``'s temporary name for this process (several processes of a node may write one file at once)."""
     return f"{path}.{os.getpid()}{TMP_SUFFIX}"

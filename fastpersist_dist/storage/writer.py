@@ -49,7 +49,7 @@ from ..util.cores import cores_per_local_rank
 from ..util.errors import FastPersistError
 from ..util.timing import Phases
 from .deepspeed_ops import LockedMemoryError, aio_available, aio_module, aio_resources, ensure_fast_file_writer_usable
-from .files import process_temporary, unlink_quietly, written_through_name
+from .files import free_bytes, no_room_for, process_temporary, unlink_quietly, written_through_name
 from .host_copy import copies_on_this_thread, copy_to_host
 from .host_staging import Ring, staging_block
 from .mounts import on_memory_filesystem
@@ -452,8 +452,7 @@ def confirm_on_disk(path: str, records: list[ShardRecord], block_bytes: int, ran
 
 def _free_space(path: str) -> str:
     """Free bytes on ``path``'s filesystem, to tell a full disk from an I/O error in a message."""
-    st = os.statvfs(os.path.dirname(path) or ".")
-    return f"{st.f_bavail * st.f_frsize} bytes"
+    return f"{free_bytes(os.path.dirname(path) or '.')} bytes"
 
 
 def _remove_partial(path: str) -> None:
@@ -491,7 +490,7 @@ def write_rank_file(
     block = cfg.checksum_block_bytes
     chunk = max(block, 64 * MiB // block * block)
     expected = sum(item.record.length for item in items)
-    tee = None if copy_to is None else _tee(copy_to, cfg, rank)  # before the file is there (see _Tee)
+    tee = None if copy_to is None else _tee(copy_to, expected, cfg, rank)  # before the file is there (see _Tee)
     try:
         if os.path.lexists(path):
             os.unlink(path)  # FastFileWriter opens without O_TRUNC: old bytes would survive.
@@ -526,9 +525,12 @@ def write_rank_file(
     return WriteResult(out, expected, seconds, sink.mode)
 
 
-def _tee(copy_to: str, cfg: WriteConfig, rank: int) -> Optional[_Tee]:
-    """A write-through copy to ``copy_to`` opened, or None (logged) where it cannot be."""
+def _tee(copy_to: str, nbytes: int, cfg: WriteConfig, rank: int) -> Optional[_Tee]:
+    """A write-through copy of ``nbytes`` to ``copy_to`` opened, or None (logged) where it cannot be."""
     try:
+        full = no_room_for(copy_to, nbytes)
+        if full is not None:
+            raise FastPersistError(full)
         return _Tee(copy_to, cfg, rank)
     except Exception as e:  # noqa: BLE001 - the copy is optional; the write goes on without it
         logger.warning("fastpersist: rank %d: no write-through copy to %s (%s: %s); the file is copied from the "

@@ -43,7 +43,7 @@ from ...format.checksum import digest_bytes
 from ...format.records import INDEX_FILE, ShardRecord, is_data_file, status_file_name
 from ...format.tiers import DRAINED_PREFIX, DURABLE, TierManifest
 from ...storage.copy import PendingCopy, Span, WrittenThrough, block_layout, block_spans, copy_following
-from ...storage.files import TMP_SUFFIX, unlink_quietly, written_through_name
+from ...storage.files import TMP_SUFFIX, no_room_for, unlink_quietly, written_through_name
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
 from ..index_reader import read_index
@@ -270,9 +270,14 @@ def _follow(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy |
     try:
         written.open()
         taken = _written_through(written, job.planned.size, final, who) if through else None
-        return taken or copy_following(written.fd, written.path, final,
-                                       block_layout(list(job.planned.records), job.planned.block_bytes),
-                                       job.planned.size, who, written.wait)
+        if taken is not None:
+            return taken
+        full = no_room_for(final, job.planned.size)
+        if full is not None:
+            raise FastPersistError(full)
+        return copy_following(written.fd, written.path, final,
+                              block_layout(list(job.planned.records), job.planned.block_bytes),
+                              job.planned.size, who, written.wait)
     except (FastPersistError, OSError) as e:
         logger.debug("fastpersist: %s: not copying %s before the local commit: %s", who, written.path, e)
         if through:  # the save given up (or the file not written): nothing the writer made of it stays
