@@ -34,11 +34,10 @@ from megatron.core import dist_checkpointing
 
 from fastpersist_dist import (ASYNC_SAVE_KWARGS, AsyncSaveQueue, FastPersistSaveStrategy, TierConfig,
                               prepare_checkpoint_dir)
-from fastpersist_dist.engine.tiers.state import checkpoint_state, read_manifest
+from fastpersist_dist.engine.tiers.state import checkpoint_state
 from fastpersist_dist.format.tiers import DURABLE
-from fastpersist_dist.storage.persistent import persistent_dir
 from fastpersist_dist.tools.bench.runner import BenchConfig, on_ranks
-from fastpersist_dist.tools.bench.training_loop import LoopConfig, _trainer, train_step
+from fastpersist_dist.tools.bench.training_loop import LoopConfig, _durable_after, _trainer, train_step
 
 STEP_S = 0.05
 
@@ -54,9 +53,7 @@ def _durable_s(ckpt: str, called_at: float, step: Callable[[], None]) -> float:
     until then."""
     while checkpoint_state(ckpt) != DURABLE:
         step()
-    manifest = read_manifest(persistent_dir(ckpt))
-    assert manifest is not None and DURABLE in manifest.reached, ckpt
-    return manifest.reached[DURABLE] - called_at
+    return _durable_after(ckpt, called_at)
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -66,7 +63,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[flo
     if args.local_dir:
         tiers = TierConfig(os.path.abspath(args.local_dir), write_through=args.write_through)
     FastPersistSaveStrategy().load_ops(t.sd)
-    FastPersistSaveStrategy(tiers=tiers).load_ops(t.sd)
+    if tiers is not None:
+        FastPersistSaveStrategy(tiers=tiers).load_ops(t.sd)
     loops = {"sleep": lambda: time.sleep(STEP_S), "spin": _spin, "memory": lambda: train_step(t.tensors, t.compute)}
     queue, times = AsyncSaveQueue(), {"sync": []}
     for rep in range(args.reps):
