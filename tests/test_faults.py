@@ -21,7 +21,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import pytest
 import torch
@@ -448,26 +448,35 @@ def test_disk_full_at_commit_commits_nothing(small_fs):
     run_ranks(1, _load_and_verify, f"{small_fs}/prev", "s", SMALL, 1)
 
 
-def _persistent_tier_full(rank: int, world: int, fs: str, local: str, write_through: bool) -> dict:
-    """A tiered async save whose persistent directory (the 8 MiB ``fs``) cannot hold either rank's 16 MiB file:
-    the save commits locally, its copies are refused until ``retry_s`` ends, and it loads from the local
-    tiers."""
+def _persistent_tier_full(rank: int, world: int, fs: str, local: str, write_through: bool, shape: tuple) -> dict:
+    """A tiered async save of the tensor ``shape`` into a persistent directory on the tmpfs ``fs`` too small for
+    it: the save commits locally, what does not fit is refused until ``retry_s`` ends, and it loads from the
+    local tiers."""
     records = logged("fastpersist_dist", logging.INFO)
     tiers = TierConfig(local, write_through=write_through, retry_s=1.0)
     queue, ckpt = AsyncSaveQueue(), f"{fs}/ckpt"
     make_dir(ckpt)
-    queue.schedule(dist_checkpointing.save(_sd("w", BIG, rank, world, 4), ckpt,
+    queue.schedule(dist_checkpointing.save(_sd("w", shape, rank, world, 4), ckpt,
                                            sharded_strategy=native_strategy(tiers=tiers), async_sharded_save=True,
                                            **ASYNC_KW))
     queue.maybe_finalize(blocking=True)  # raises if the save failed
     assert wait_copies(timeout=120)
     dist.barrier()
-    want = global_tensor("w", BIG, salt=4)
+    want = global_tensor("w", shape, salt=4)
     req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(want), replica_id=rank)}
     loaded = dist_checkpointing.load(req, ckpt, sharded_strategy=FastPersistLoadStrategy())["w"]
     queue.close()
     return {"state": checkpoint_state(ckpt), "equal": torch.equal(loaded, want), "left": sorted(os.listdir(ckpt)),
             "said": [(r.levelname, r.getMessage()) for r in records if r.levelno >= logging.WARNING]}
+
+
+def _found_no_room(said: list[tuple[str, str]], rank: int, copy: str, fs: str) -> bool:
+    """Whether rank ``rank`` said its copy to ``copy`` found no room, was tried again, and that the checkpoint
+    in ``fs`` stays in the local tiers, naming itself, its node and the file."""
+    return (any(level == "WARNING" and f"rank {rank} (" in m and f"no room for {copy}: " in m and "trying again" in m
+                for level, m in said)
+            and any(level == "ERROR" and f"rank {rank} (" in m and f"{fs}/ckpt stays in the local tiers" in m
+                    and "kept failing for 1 s" in m for level, m in said))
 
 
 @pytest.mark.parametrize("write_through", [False, True], ids=["drained", "written through"])
@@ -478,18 +487,49 @@ def test_a_persistent_directory_without_room_leaves_the_checkpoint_local(small_f
     commit's files find room); each rank's copy is refused, tried again until ``retry_s`` has passed, and each
     rank says the checkpoint stays in the local tiers, naming itself, its node and the file; no data file or
     partial copy stays in the persistent directory."""
-    outcomes = run_faulty(2, _persistent_tier_full, small_fs, str(tmp_path / "local"), write_through)
+    outcomes = run_faulty(2, _persistent_tier_full, small_fs, str(tmp_path / "local"), write_through, BIG)
     for rank, o in outcomes.items():
         assert o.kind == "ok", o.value
         got = o.value
         assert got["state"] == "local" and got["equal"], got
         assert not [n for n in got["left"] if is_data_file(n) or n.endswith(TMP_SUFFIX)], got["left"]
-        copy = os.path.join(small_fs, "ckpt", data_file_name(rank))
         said = "\n".join(f"{level} {m}" for level, m in got["said"])
-        assert [m for level, m in got["said"] if level == "WARNING" and f"rank {rank} (" in m and copy in m
-                and f"no room for {copy}: " in m and "bytes to write" in m and "trying again" in m], said
-        assert [m for level, m in got["said"] if level == "ERROR" and f"rank {rank} (" in m and
-                f"{small_fs}/ckpt stays in the local tiers" in m and "kept failing for 1 s" in m], said
+        assert _found_no_room(got["said"], rank, os.path.join(small_fs, "ckpt", data_file_name(rank)), small_fs), said
+
+
+def _filled(lines: Iterable[str]) -> list[str]:
+    """The messages of ``lines`` where a write found the filesystem full (not a copy refused before it began, when
+    allocating its room)."""
+    return [line for line in lines if "No space left on device" in line and "allocating its" not in line]
+
+
+# float32, 200 MiB per rank of 2: the 390 MiB filesystem below holds one rank's file and the headroom, not both,
+# and a copy checking the room before the other has written 126 MiB finds room for itself.
+ROOM_FOR_ONE = (25600, 4096)
+
+
+@pytest.mark.parametrize("write_through", [False, True], ids=["drained", "written through"])
+def test_copies_that_fit_only_one_at_a_time_never_fill_the_persistent_directory(small_fs, tmp_path, capfd,
+                                                                                 write_through):
+    """Each rank's copy alone fits in the persistent directory with ``COPY_HEADROOM_BYTES`` to spare, both do
+    not, and both start at once: each copy allocates its bytes before it writes, so the second finds the first's
+    taken, or cannot allocate its own, and is refused before it writes (never a copy failing midway with a full filesystem, which would also fail whatever
+    else is written there, the checkpoint's commit among it); the save commits locally and loads, one rank's
+    copy is refused and reported, and no partial copy stays."""
+    _remount(small_fs, "size=390m")
+    outcomes = run_faulty(2, _persistent_tier_full, small_fs, str(tmp_path / "local"), write_through, ROOM_FOR_ONE)
+    refused = []
+    for rank, o in outcomes.items():
+        assert o.kind == "ok", o.value
+        got = o.value
+        assert got["state"] == "local" and got["equal"], got
+        assert not _filled(m for _, m in got["said"]), got["said"]
+        assert not [n for n in got["left"] if n.endswith(TMP_SUFFIX)], got["left"]
+        if _found_no_room(got["said"], rank, os.path.join(small_fs, "ckpt", data_file_name(rank)), small_fs):
+            refused.append(rank)
+    assert len(refused) == 1, outcomes
+    written = capfd.readouterr().err  # the ranks' and their writers' own logs
+    assert not _filled(written.splitlines()), written
 
 
 def _read_only(rank: int, world: int, fs: str) -> list[str]:

@@ -39,7 +39,7 @@ from typing import Callable, Iterator, Optional
 from ..format.checksum import digest_bytes
 from ..format.records import ShardRecord
 from ..util.errors import CorruptCheckpointError, FastPersistError
-from .files import process_temporary, replace_durably, unlink_quietly
+from .files import process_temporary, replace_durably, reserve_room, unlink_quietly
 from .mounts import on_memory_filesystem
 from .recycle import take
 
@@ -176,6 +176,12 @@ class AtomicFile:
         if self._fd is None:
             self._fd = os.open(self._tmp, flags, 0o644)
 
+    def reserve(self, nbytes: int, who: str) -> None:
+        """Allocate the file's ``nbytes`` before writing them (a copy into a persistent directory:
+        ``files.reserve_room``)."""
+        assert self._fd is not None and not self._length
+        reserve_room(self._fd, self.path, nbytes, who)
+
     def write(self, data: bytes | memoryview, aligned: bool = False) -> None:
         """Append ``data``. ``aligned``: it starts at a DIRECT_ALIGN-aligned address (a page-aligned buffer),
         so with nothing staged its whole aligned blocks go to the file as they are, not through the staging
@@ -242,12 +248,14 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 
 @contextmanager
-def _removed_on_error(dst: str, where: str, who: str) -> Iterator[AtomicFile]:
-    """``dst`` as an :class:`AtomicFile`, abandoned where the block raises; an error other than ours is raised as
-    ``FastPersistError`` naming both ends (``where``: the source)."""
+def _removed_on_error(dst: str, where: str, who: str, reserve: Optional[int] = None) -> Iterator[AtomicFile]:
+    """``dst`` as an :class:`AtomicFile` (``reserve`` bytes allocated first, if given), abandoned where the block
+    raises; an error other than ours is raised as ``FastPersistError`` naming both ends (``where``: the source)."""
     out = None
     try:
         out = AtomicFile(dst)
+        if reserve is not None:
+            out.reserve(reserve, who)
         yield out
     except BaseException as e:
         if out is not None:
@@ -258,9 +266,9 @@ def _removed_on_error(dst: str, where: str, who: str) -> Iterator[AtomicFile]:
 
 
 @contextmanager
-def _written_whole(dst: str, where: str, who: str) -> Iterator[AtomicFile]:
+def _written_whole(dst: str, where: str, who: str, reserve: Optional[int] = None) -> Iterator[AtomicFile]:
     """:func:`_removed_on_error`, committed when the block ends."""
-    with _removed_on_error(dst, where, who) as out:
+    with _removed_on_error(dst, where, who, reserve) as out:
         yield out
         out.commit()
 
@@ -451,16 +459,18 @@ def _open_source(src: str, who: str, size: int) -> int:
     return fd
 
 
-def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, window: int = CHUNK_BYTES) -> float:
+def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, window: int = CHUNK_BYTES,
+                 reserve: bool = False) -> float:
     """Copy data file ``src`` (``size`` bytes, ``spans`` its blocks: :func:`block_spans`) to ``dst``, ``window``
     bytes per step (:func:`window_plan`), each block checked before it is written; the seconds it took.
+    ``reserve``: its bytes allocated first (a copy into a persistent directory: ``files.reserve_room``).
 
     Raises like :func:`receive_checked`.
     """
     start = time.perf_counter()
     fd = _open_source(src, who, size)
     try:
-        with _written_whole(dst, src, who) as out:
+        with _written_whole(dst, src, who, size if reserve else None) as out:
             _copy_windows(fd, out, window_plan(spans, size, window), src, who,
                           lambda data, chunk: check_chunk(data, chunk, src, who), mapped=_in_memory(src))
     finally:
@@ -536,7 +546,9 @@ def copy_following(fd: int, src: str, dst: str, layout: list[Span], size: int, w
     copy stays under its temporary name: :meth:`PendingCopy.commit_if` puts it
     in place once the writer's checksums match, and otherwise removes it (the
     source changed, or the wait was wrong). ``wait`` raises to give up; an
-    error removes the copy and raises like :func:`receive_checked`.
+    error removes the copy and raises like :func:`receive_checked`. Its
+    ``size`` bytes are allocated first (it goes into a persistent directory:
+    ``files.reserve_room``).
     """
     digests: list[tuple[int, int, str]] = []
 
@@ -544,7 +556,7 @@ def copy_following(fd: int, src: str, dst: str, layout: list[Span], size: int, w
         base = chunk[0].start
         digests.extend((s.start, s.end, digest_bytes(data[s.start - base : s.end - base])) for s in chunk)
 
-    with _removed_on_error(dst, src, who) as out:
+    with _removed_on_error(dst, src, who, size) as out:
         wait(min(size, window))
         start = time.perf_counter()
         _copy_windows(fd, out, window_plan(layout, size, window), src, who, keep, wait, _in_memory(src))

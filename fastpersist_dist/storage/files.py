@@ -1,4 +1,4 @@
-"""Small files made durable: fsync, atomic replacement, quiet removal, digests; holes punched in data files.
+"""Small files made durable: fsync, atomic replacement, quiet removal, digests; room for copies; holes punched.
 
 The commit protocol and the writers' status files rely on these: a reader
 sees the old file or the whole new one, never a torn write, and a rename is
@@ -49,10 +49,9 @@ def free_bytes(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def no_room_for(path: str, nbytes: int) -> Optional[str]:
+def _no_room_for(path: str, nbytes: int) -> Optional[str]:
     """Why a copy of ``nbytes`` to ``path`` does not start (its filesystem would keep under
-    ``COPY_HEADROOM_BYTES`` free), or None: a copy that fills a shared filesystem fails the writes of everything
-    else there (a checkpoint's commit among them) until it gives up, and a retry would fill it again."""
+    ``COPY_HEADROOM_BYTES`` free), or None."""
     try:
         free = free_bytes(os.path.dirname(path) or ".")
     except OSError:  # the directory missing, say: the copy's own error says so
@@ -61,6 +60,35 @@ def no_room_for(path: str, nbytes: int) -> Optional[str]:
         return None
     return (f"no room for {path}: {nbytes} bytes to write, {free} free on its filesystem "
             f"({COPY_HEADROOM_BYTES >> 20} MiB of it kept free)")
+
+
+def reserve_room(fd: int, path: str, nbytes: int, who: str) -> None:
+    """Allocate the ``nbytes`` of a copy to ``path`` (its new, empty temporary file open as ``fd``) before they are
+    written, keeping ``COPY_HEADROOM_BYTES`` free on the filesystem, or raise ``FastPersistError`` (naming
+    ``who``) with nothing allocated.
+
+    Why: the ranks' copies into a persistent directory start at once, and a copy that fills a shared filesystem
+    fails what everything else writes there (the checkpoint's commit among it) and the copies themselves midway,
+    then fills it again at every retry. Each finding room for its own file is not enough: together they can
+    overfill it. Allocated up front, the copies take their room one after another, the check after allocating
+    sees every copy allocated before, and a copy that does not fit (or exceeds a quota, which statvfs does not
+    show) is refused before it writes. Where the filesystem cannot allocate ahead (NFS before 4.2), the check
+    alone.
+    """
+    full = _no_room_for(path, nbytes)
+    if full is None and nbytes:
+        # KEEP_SIZE: the file stays empty to its writer (DeepSpeed's FastFileWriter appends its unaligned tail).
+        err = 0 if _fallocate()(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes) == 0 else ctypes.get_errno()
+        if err and err not in _UNSUPPORTED:
+            full = f"no room for {path}: allocating its {nbytes} bytes failed: {os.strerror(err)}"
+        elif not err:
+            free = free_bytes(os.path.dirname(path) or ".")
+            if free < COPY_HEADROOM_BYTES:
+                full = (f"no room for {path}: its {nbytes} bytes allocated left {free} free on its filesystem, "
+                        f"under the {COPY_HEADROOM_BYTES >> 20} MiB kept free (other copies took the room)")
+    if full is not None:
+        os.ftruncate(fd, 0)
+        raise FastPersistError(f"{who}: {full}")
 
 
 def process_temporary(path: str) -> str:
@@ -135,6 +163,8 @@ def file_digest(path: str, who: str) -> Optional[str]:
 
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02  # linux/falloc.h
+# What fallocate fails with where the filesystem cannot do what it is asked (rather than that it failed).
+_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 @functools.cache
@@ -165,4 +195,4 @@ def punch_holes(path: str, ranges: Iterable[tuple[int, int]]) -> None:
 
 def cannot_punch(error: OSError) -> bool:
     """Whether ``error`` says the filesystem does not punch holes (rather than that something failed)."""
-    return error.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+    return error.errno in _UNSUPPORTED

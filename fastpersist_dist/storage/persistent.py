@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from ..util.errors import CorruptCheckpointError, FastPersistError
 from .copy import CheckedFile, Span, check_file, chunk_plan, copy_checked, receive_checked
-from .files import atomic_write, no_room_for, unlink_quietly
+from .files import atomic_write, unlink_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +135,7 @@ class PosixDir(PersistentDir):
             raise FastPersistError(f"removing {self.url} failed: {e}") from e
 
     def put(self, name: str, src: str, spans: list[Span], size: int, who: str) -> float:
-        dst = os.path.join(self.url, name)
-        full = no_room_for(dst, size)
-        if full is not None:
-            raise FastPersistError(f"{who}: {full}")
-        return copy_checked(src, dst, spans, size, who)
+        return copy_checked(src, os.path.join(self.url, name), spans, size, who, reserve=True)
 
     def fetch(self, name: str, dst: str, spans: list[Span], size: int, who: str) -> float:
         return copy_checked(os.path.join(self.url, name), dst, spans, size, who)

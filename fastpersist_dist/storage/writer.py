@@ -49,7 +49,7 @@ from ..util.cores import cores_per_local_rank
 from ..util.errors import FastPersistError
 from ..util.timing import Phases
 from .deepspeed_ops import LockedMemoryError, aio_available, aio_module, aio_resources, ensure_fast_file_writer_usable
-from .files import free_bytes, no_room_for, process_temporary, unlink_quietly, written_through_name
+from .files import free_bytes, process_temporary, reserve_room, unlink_quietly, written_through_name
 from .host_copy import copies_on_this_thread, copy_to_host
 from .host_staging import Ring, staging_block
 from .mounts import on_memory_filesystem
@@ -148,7 +148,7 @@ class _Tee:
     cause logged), and the drain copies the file instead.
     """
 
-    def __init__(self, copy_to: str, cfg: WriteConfig, rank: int):
+    def __init__(self, copy_to: str, nbytes: int, cfg: WriteConfig, rank: int):
         self.tmp, self._done_as, self._rank = process_temporary(copy_to), written_through_name(copy_to), rank
         self.done = ""  # where the copy is once written and checked (:meth:`finish`)
         self.mode = ""  # the file's sink's (:meth:`beside`)
@@ -157,6 +157,7 @@ class _Tee:
         self._lock = os.open(self.tmp, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX)
+            reserve_room(self._lock, copy_to, nbytes, f"rank {rank}")
             self._copy: _Sink = _open_sink(self.tmp, cfg, COPY_SLOT)
         except BaseException:
             os.close(self._lock)
@@ -528,10 +529,7 @@ def write_rank_file(
 def _tee(copy_to: str, nbytes: int, cfg: WriteConfig, rank: int) -> Optional[_Tee]:
     """A write-through copy of ``nbytes`` to ``copy_to`` opened, or None (logged) where it cannot be."""
     try:
-        full = no_room_for(copy_to, nbytes)
-        if full is not None:
-            raise FastPersistError(full)
-        return _Tee(copy_to, cfg, rank)
+        return _Tee(copy_to, nbytes, cfg, rank)
     except Exception as e:  # noqa: BLE001 - the copy is optional; the write goes on without it
         logger.warning("fastpersist: rank %d: no write-through copy to %s (%s: %s); the file is copied from the "
                        "local tier instead", rank, copy_to, type(e).__name__, e)

@@ -34,6 +34,7 @@ import glob
 import json
 import logging
 import os
+import random
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from ...format.checksum import digest_bytes
 from ...format.records import INDEX_FILE, ShardRecord, is_data_file, status_file_name
 from ...format.tiers import DRAINED_PREFIX, DURABLE, TierManifest
 from ...storage.copy import PendingCopy, Span, WrittenThrough, block_layout, block_spans, copy_following
-from ...storage.files import TMP_SUFFIX, no_room_for, unlink_quietly, written_through_name
+from ...storage.files import TMP_SUFFIX, unlink_quietly, written_through_name
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
 from ..index_reader import read_index
@@ -272,9 +273,6 @@ def _follow(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy |
         taken = _written_through(written, job.planned.size, final, who) if through else None
         if taken is not None:
             return taken
-        full = no_room_for(final, job.planned.size)
-        if full is not None:
-            raise FastPersistError(full)
         return copy_following(written.fd, written.path, final,
                               block_layout(list(job.planned.records), job.planned.block_bytes),
                               job.planned.size, who, written.wait)
@@ -355,9 +353,11 @@ def _retrying(step: Callable[[], T], retry_s: float, what: str) -> T:
             left = end - time.monotonic()
             if left <= 0:
                 raise FastPersistError(f"{what} failed, and kept failing for {retry_s:.0f} s: {e}") from e
-            logger.warning("fastpersist: %s failed (%s); trying again in %.0f s (for %.0f s more)", what, e, pause,
+            # Spread: ranks refused at once (each found the room the others had just allocated) retry apart.
+            wait = min(pause * random.uniform(0.75, 1.25), left)
+            logger.warning("fastpersist: %s failed (%s); trying again in %.1f s (for %.0f s more)", what, e, wait,
                            left)
-            time.sleep(min(pause, left))
+            time.sleep(wait)
             pause = min(pause * 2, LONGEST_PAUSE_S)
 
 
