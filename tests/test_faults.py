@@ -48,6 +48,7 @@ from fastpersist_dist.storage.deepspeed_ops import aio_module, ensure_fast_file_
 from fastpersist_dist.storage.files import TMP_SUFFIX, written_through_name
 from fastpersist_dist.storage.writer import confirm_on_disk, prepare_direct_writes, write_rank_file
 from fastpersist_dist.tools.ranks import Outcome, run_ranks
+from fastpersist_dist.tools.inspect import format_report, inspect_checkpoint
 from fastpersist_dist.tools.verify import verify_checkpoint
 from fastpersist_dist.util.config import MiB, WriteConfig
 
@@ -495,6 +496,10 @@ def test_a_persistent_directory_without_room_leaves_the_checkpoint_local(small_f
         assert not [n for n in got["left"] if is_data_file(n) or n.endswith(TMP_SUFFIX)], got["left"]
         said = "\n".join(f"{level} {m}" for level, m in got["said"])
         assert _found_no_room(got["said"], rank, os.path.join(small_fs, "ckpt", data_file_name(rank)), small_fs), said
+    shown = format_report(inspect_checkpoint(f"{small_fs}/ckpt"))  # why it is not durable, file by file
+    for rank in range(2):
+        assert [line for line in shown.splitlines() if f"copy of {data_file_name(rank)} to the persistent tier FAILED"
+                in line and f"rank {rank} (" in line and "no room for" in line], shown
 
 
 def _filled(lines: Iterable[str]) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any, Optional
 from megatron.core.dist_checkpointing.core import maybe_load_config
 
 from ..engine.index_reader import check_markers, read_unchecked_index
-from ..engine.tiers.state import drained_files, pending_dir, read_manifest
+from ..engine.tiers.state import drained_files, failed_copies, pending_dir, read_manifest
 from ..format.index_pages import PART_FILE_RE
 from ..format.kinds import BACKENDS, BY_CONTAINER, DCP_METADATA_FILE, MEGATRON_CONFIG_FILE
 from ..format.records import (
@@ -83,6 +83,7 @@ class TierSummary:
     replica_nodes: list[list[int]]  # node -> the nodes holding replicas of its files
     data_files: int
     drained: int  # data files copied to the persistent tier and checked
+    failed: dict[str, str]  # data file -> why its copy to the persistent tier failed for good
     local_copy: str  # where this machine's local tier keeps the checkpoint
     local_copy_state: str  # "this checkpoint", "none", or what else is there
     created: float  # unix time of the local commit
@@ -181,12 +182,14 @@ def tier_summary(checkpoint_dir: str) -> Optional[TierSummary]:
         except FastPersistError:
             pass  # the home is unreachable from here: the local copy's own record stands
     local = local_copy_dir(manifest.local_dir, manifest.checkpoint_dir)
-    drained = len(manifest.files) if manifest.state == DURABLE else len(
-        drained_files(persistent_dir(manifest.checkpoint_dir), manifest))
+    home = persistent_dir(manifest.checkpoint_dir)
+    names = set() if manifest.state == DURABLE or not manifest.persistent else set(home.names())
+    drained = len(manifest.files) if manifest.state == DURABLE else len(drained_files(home, manifest, names))
     return TierSummary(
         state=manifest.state, checkpoint_id=manifest.checkpoint_id, persistent=manifest.persistent,
         local_dir=manifest.local_dir, nodes=[list(n) for n in manifest.nodes],
         replica_nodes=[list(r) for r in manifest.replica_nodes], data_files=len(manifest.files), drained=drained,
+        failed=failed_copies(home, manifest, names),
         local_copy=local, local_copy_state=_local_copy_state(local, manifest), created=manifest.created,
         after_local_s={s: manifest.reached[s] - manifest.created for s in STATES if s in manifest.reached})
 
@@ -325,6 +328,8 @@ def _tier_lines(t: TierSummary) -> list[str]:
         replicas = f"; replicas on nodes {', '.join(map(str, t.replica_nodes[node]))}" if t.replica_nodes else ""
         lines.append(f"  node {node}: ranks {', '.join(map(str, ranks))}{replicas}")
     lines.append(f"  this machine's copy: {t.local_copy}: {t.local_copy_state}")
+    lines.extend(f"  copy of {name} to the persistent tier FAILED (the checkpoint stays in the local tiers): {why}"
+                 for name, why in t.failed.items())
     return lines
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import fcntl
 import glob
-import json
 import logging
 import os
 import random
@@ -48,7 +47,7 @@ from ...storage.files import TMP_SUFFIX, unlink_quietly, written_through_name
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
 from ..index_reader import read_index
-from .state import advance, drained_marker, failed_marker, pending_dir, poll_pauses, superseded
+from .state import advance, drained_marker, failed_copies, mark_failed, pending_dir, poll_pauses, superseded
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +141,7 @@ def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[Pend
     except FastPersistError as e:
         logger.error("fastpersist: %s: %s stays in the local tiers: %s", who, m.checkpoint_dir, e)
         try:
-            home.write(failed_marker(m, job.data_file), json.dumps({"rank": job.rank, "error": str(e)}).encode())
+            mark_failed(home, m, job.data_file, job.rank, str(e))
         except FastPersistError as again:
             logger.error("fastpersist: %s: cannot leave the failure marker in %s either (%s): rank 0's drain of it "
                          "waits until the next save into that directory", who, home.url, again)
@@ -296,11 +295,10 @@ def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Dr
 
     while True:
         names = set(retrying(home.names, "listing"))
-        failed = sorted(f for f in m.files if failed_marker(m, f) in names)
+        failed = failed_copies(home, m, names)
         if failed:
-            reasons = [json.loads(home.read(failed_marker(m, f)) or b"{}").get("error", "?") for f in failed]
             logger.error("fastpersist: %s stays in the local tiers (not durable): %s", m.checkpoint_dir,
-                         " | ".join(reasons))
+                         " | ".join(failed.values()))
             return
         if all(drained_marker(m, f) in names for f in wanted):
             break

@@ -11,6 +11,7 @@ marker per data file already copied and checked there.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -86,10 +87,30 @@ def failed_marker(manifest: TierManifest, data_file: str) -> str:
     return f"{DRAINED_PREFIX}{manifest.checkpoint_id}.{data_file}.failed"
 
 
-def drained_files(home: PersistentDir, manifest: TierManifest) -> set[str]:
-    """The data files of ``manifest``'s checkpoint copied to ``home`` and checked (one listing)."""
-    names = set(home.names())
+def drained_files(home: PersistentDir, manifest: TierManifest, names: Optional[set[str]] = None) -> set[str]:
+    """The data files of ``manifest``'s checkpoint copied to ``home`` and checked (``names``: ``home``'s listing,
+    if at hand; else one listing)."""
+    names = set(home.names()) if names is None else names
     return {f for f in manifest.files if drained_marker(manifest, f) in names}
+
+
+def mark_failed(home: PersistentDir, manifest: TierManifest, data_file: str, rank: int, error: str) -> None:
+    """Record in ``home`` that rank ``rank``'s copy of ``data_file`` failed for good, and why."""
+    home.write(failed_marker(manifest, data_file), json.dumps({"rank": rank, "error": error}).encode())
+
+
+def failed_copies(home: PersistentDir, manifest: TierManifest, names: Optional[set[str]] = None) -> dict[str, str]:
+    """The data files of ``manifest``'s checkpoint whose copy to ``home`` failed for good, each with what its rank
+    said (``names``: ``home``'s listing, if at hand)."""
+    names = set(home.names()) if names is None else names
+    failed = {}
+    for f in sorted(manifest.files):
+        if failed_marker(manifest, f) in names:
+            try:
+                failed[f] = str(json.loads(home.read(failed_marker(manifest, f)) or b"{}").get("error", "?"))
+            except ValueError:
+                failed[f] = "? (its failure marker is unreadable)"
+    return failed
 
 
 def pending_dir(home: PersistentDir) -> PersistentDir:
