@@ -41,6 +41,7 @@ from ...plan.replicas import ReplicaTransfer, replica_transfers
 from ...storage.copy import (AtomicFile, Span, block_spans, check_chunk, chunk_plan, pages_to_send,
                               sendable_in_place)
 from ...util.errors import CorruptCheckpointError
+from ...util.lock_handoffs import prompt_lock_handoffs
 from ...util.per_process import PerProcess
 from ..index_reader import read_index
 from .part import RankPart
@@ -101,7 +102,7 @@ def replicate(job: Replication) -> None:
                     for t in mine if t.src == job.rank])
 
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-replica-send") as pool:
+        with prompt_lock_handoffs(), ThreadPoolExecutor(1, thread_name_prefix="fastpersist-replica-send") as pool:
             sent = pool.submit(sends)  # beside the receives: both directions move at once
             ok = all([_receive(t, os.path.join(job.local, t.data_file), spans(t), job, who)
                       for t in mine if t.dst == job.rank])
