@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from fastpersist_dist.util.lock_handoffs import BACKGROUND_SWITCH_S, prompt_lock_handoffs
+from fastpersist_dist.util.lock_handoffs import BACKGROUND_SWITCH_S, SWITCH_ENV, prompt_lock_handoffs, wanted_interval
 
 pytestmark = pytest.mark.engine
 
@@ -56,3 +56,16 @@ def test_given_back_when_the_block_raises(interval):
         with prompt_lock_handoffs():
             raise RuntimeError("a copy failed")
     assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_the_environment_sets_the_interval_or_leaves_it_alone(interval, monkeypatch):
+    monkeypatch.setenv(SWITCH_ENV, "0.001")
+    with prompt_lock_handoffs():
+        assert sys.getswitchinterval() == pytest.approx(0.001)
+    monkeypatch.setenv(SWITCH_ENV, "0")
+    with prompt_lock_handoffs():
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    for wrong in ("fast", "-1", "nan"):
+        monkeypatch.setenv(SWITCH_ENV, wrong)
+        with pytest.raises(ValueError, match=f"{SWITCH_ENV}='{wrong}': a number of seconds, 0 or more"):
+            wanted_interval()

@@ -11,42 +11,60 @@ interval; the loop ran at 0.85 to 0.95x of its speed alone during the copy
 either way, so it pays for half as long.
 
 While any such work runs in the process, the interval is ``BACKGROUND_SWITCH_S``
-(unless already shorter); the last one to end restores the interval it found,
-unless something else changed it meanwhile. Where no thread waits for the lock,
-the interval changes nothing.
+(``FASTPERSIST_BACKGROUND_SWITCH_S`` in the environment, if set; 0 leaves the
+interval alone), unless already shorter; the last one to end restores the
+interval it found, unless something else changed it meanwhile. Where no thread
+waits for the lock, the interval changes nothing.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 BACKGROUND_SWITCH_S = 0.0005
+SWITCH_ENV = "FASTPERSIST_BACKGROUND_SWITCH_S"
 
 _lock = threading.Lock()
 _active = 0  # threads inside prompt_lock_handoffs()
-_saved: Optional[float] = None  # the interval found by the first of them (None: it was not longer)
+_changed: Optional[tuple[float, float]] = None  # (the interval found, the one set) by the first of them
+
+
+def wanted_interval() -> float:
+    """The switch interval while bytes move: ``FASTPERSIST_BACKGROUND_SWITCH_S`` if set (0: the interpreter's
+    is left alone), else ``BACKGROUND_SWITCH_S``."""
+    text = os.environ.get(SWITCH_ENV, "")
+    try:
+        want = float(text) if text else BACKGROUND_SWITCH_S
+    except ValueError:
+        want = -1.0
+    if not want >= 0:
+        raise ValueError(f"{SWITCH_ENV}={text!r}: a number of seconds, 0 or more, is wanted")
+    return want
 
 
 @contextmanager
 def prompt_lock_handoffs() -> Iterator[None]:
     """Within the block (and any other thread's), a thread busy in Python hands the interpreter lock on within
-    ``BACKGROUND_SWITCH_S`` to a thread of ours waiting for it."""
-    global _active, _saved
+    the switch interval wanted (:func:`wanted_interval`) to a thread of ours waiting for it."""
+    global _active, _changed
     with _lock:
-        if _active == 0 and sys.getswitchinterval() > BACKGROUND_SWITCH_S:
-            _saved = sys.getswitchinterval()
-            sys.setswitchinterval(BACKGROUND_SWITCH_S)
+        want = wanted_interval()
+        if _active == 0 and want and sys.getswitchinterval() > want:
+            _changed = (sys.getswitchinterval(), want)
+            sys.setswitchinterval(want)
         _active += 1
     try:
         yield
     finally:
         with _lock:
             _active -= 1
-            if _active == 0 and _saved is not None:
-                if math.isclose(sys.getswitchinterval(), BACKGROUND_SWITCH_S):  # nobody else set it meanwhile
-                    sys.setswitchinterval(_saved)
-                _saved = None
+            if _active == 0 and _changed is not None:
+                found, made = _changed
+                if math.isclose(sys.getswitchinterval(), made):  # nobody else set it meanwhile
+                    sys.setswitchinterval(found)
+                _changed = None
