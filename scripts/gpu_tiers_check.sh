@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Tiered checkpoints on a machine with a GPU and cores to spare (docs/tiers.md, "Benchmark"), in two parts
+# Tiered checkpoints on a machine with a GPU and cores to spare (docs/tiers.md, "Benchmark"), in three parts
 # that each fit a ten-minute slot:
 #   scripts/gpu_tiers_check.sh write-path DIR   the local tier's write path on /dev/shm against the device
 #                                               bounds, the state in host memory, 1 then 2 ranks (`bench`)
 #   scripts/gpu_tiers_check.sh durable DIR      the training loop with tiered checkpoints, the state on the GPU:
 #                                               write_through off, on, then on at TP=2 (`bench-train`), the
 #                                               persistent tier DIR (put it on the disk to measure)
+#   scripts/gpu_tiers_check.sh switch DIR       time to durable beside loops (scripts/durable_beside_loop.py,
+#                                               tiered, the state in host memory) with the background copies'
+#                                               switch interval left alone, then shortened (the default)
 # Each result also goes to DIR/<part>-*.json. PYTHON (default python3), GIB (default 1) override.
 # WHEELS=DIR first installs what a machine without network lacks from wheels and .deb files in DIR (DeepSpeed,
 # megatron-core and their pure dependencies; Debian's libaio1 and libaio-dev) under /tmp/fp-offline, for
 # this run only: pip --no-index --no-deps --target, dpkg -x, and the variables that point there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: scripts/gpu_tiers_check.sh write-path|durable DIR}
-dir=${2:?usage: scripts/gpu_tiers_check.sh write-path|durable DIR}
+part=${1:?usage: scripts/gpu_tiers_check.sh write-path|durable|switch DIR}
+dir=${2:?usage: scripts/gpu_tiers_check.sh write-path|durable|switch DIR}
 py=${PYTHON:-python3}
 gib=${GIB:-1}
 if [ -n "${WHEELS:-}" ]; then
@@ -48,5 +51,16 @@ case "$part" in
                 --json "$dir/durable-${run%:*}-tp${run#*:}.json"
             rm -rf "$dir/train" /dev/shm/fp-tiers-local
         done ;;
-    *) echo "gpu_tiers_check: unknown part $part (write-path or durable)" >&2; exit 2 ;;
+    switch)
+        for interval in 0 default; do
+            echo "gpu_tiers_check: FASTPERSIST_BACKGROUND_SWITCH_S=$interval"
+            if [ "$interval" = default ]; then unset FASTPERSIST_BACKGROUND_SWITCH_S
+            else export FASTPERSIST_BACKGROUND_SWITCH_S=$interval; fi
+            for run in 1 2; do
+                CUDA_VISIBLE_DEVICES= "$py" scripts/durable_beside_loop.py --dir "$dir/durable" --gib "$gib" --reps 3 \
+                    --local-dir /dev/shm/fp-tiers-local
+                rm -rf "$dir/durable" /dev/shm/fp-tiers-local
+            done
+        done ;;
+    *) echo "gpu_tiers_check: unknown part $part (write-path, durable or switch)" >&2; exit 2 ;;
 esac
