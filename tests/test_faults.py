@@ -47,8 +47,8 @@ from fastpersist_dist.format.records import INDEX_FILE, data_file_name, is_data_
 from fastpersist_dist.storage.deepspeed_ops import aio_module, ensure_fast_file_writer_usable
 from fastpersist_dist.storage.files import TMP_SUFFIX, written_through_name
 from fastpersist_dist.storage.writer import confirm_on_disk, prepare_direct_writes, write_rank_file
-from fastpersist_dist.tools.ranks import Outcome, run_ranks
 from fastpersist_dist.tools.inspect import format_report, inspect_checkpoint
+from fastpersist_dist.tools.ranks import Outcome, run_ranks
 from fastpersist_dist.tools.verify import verify_checkpoint
 from fastpersist_dist.util.config import MiB, WriteConfig
 
@@ -471,11 +471,11 @@ def _persistent_tier_full(rank: int, world: int, fs: str, local: str, write_thro
             "said": [(r.levelname, r.getMessage()) for r in records if r.levelno >= logging.WARNING]}
 
 
-def _found_no_room(said: list[tuple[str, str]], rank: int, copy: str, fs: str) -> bool:
-    """Whether rank ``rank`` said its copy to ``copy`` found no room, was tried again, and that the checkpoint
-    in ``fs`` stays in the local tiers, naming itself, its node and the file."""
-    return (any(level == "WARNING" and f"rank {rank} (" in m and f"no room for {copy}: " in m and "trying again" in m
-                for level, m in said)
+def _found_no_room(said: list[tuple[str, str]], rank: int, copy: str, fs: str, why: str) -> bool:
+    """Whether rank ``rank`` said its copy to ``copy`` found no room (``why``: part of the reason), was tried
+    again, and that the checkpoint in ``fs`` stays in the local tiers, naming itself, its node and the file."""
+    return (any(level == "WARNING" and f"rank {rank} (" in m and f"no room for {copy}: " in m and why in m
+                and "trying again" in m for level, m in said)
             and any(level == "ERROR" and f"rank {rank} (" in m and f"{fs}/ckpt stays in the local tiers" in m
                     and "kept failing for 1 s" in m for level, m in said))
 
@@ -495,7 +495,8 @@ def test_a_persistent_directory_without_room_leaves_the_checkpoint_local(small_f
         assert got["state"] == "local" and got["equal"], got
         assert not [n for n in got["left"] if is_data_file(n) or n.endswith(TMP_SUFFIX)], got["left"]
         said = "\n".join(f"{level} {m}" for level, m in got["said"])
-        assert _found_no_room(got["said"], rank, os.path.join(small_fs, "ckpt", data_file_name(rank)), small_fs), said
+        copy = os.path.join(small_fs, "ckpt", data_file_name(rank))
+        assert _found_no_room(got["said"], rank, copy, small_fs, "bytes to write"), said
     shown = format_report(inspect_checkpoint(f"{small_fs}/ckpt"))  # why it is not durable, file by file
     for rank in range(2):
         assert [line for line in shown.splitlines() if f"copy of {data_file_name(rank)} to the persistent tier FAILED"
@@ -518,9 +519,9 @@ def test_copies_that_fit_only_one_at_a_time_never_fill_the_persistent_directory(
                                                                                  write_through):
     """Each rank's copy alone fits in the persistent directory with ``COPY_HEADROOM_BYTES`` to spare, both do
     not, and both start at once: each copy allocates its bytes before it writes, so the second finds the first's
-    taken, or cannot allocate its own, and is refused before it writes (never a copy failing midway with a full filesystem, which would also fail whatever
-    else is written there, the checkpoint's commit among it); the save commits locally and loads, one rank's
-    copy is refused and reported, and no partial copy stays."""
+    taken, or cannot allocate its own, and is refused before it writes (never a copy failing midway with a full
+    filesystem, which would also fail whatever else is written there, the checkpoint's commit among it); the
+    save commits locally and loads, one rank's copy is refused and reported, and no partial copy stays."""
     _remount(small_fs, "size=390m")
     outcomes = run_faulty(2, _persistent_tier_full, small_fs, str(tmp_path / "local"), write_through, ROOM_FOR_ONE)
     refused = []
@@ -530,7 +531,7 @@ def test_copies_that_fit_only_one_at_a_time_never_fill_the_persistent_directory(
         assert got["state"] == "local" and got["equal"], got
         assert not _filled(m for _, m in got["said"]), got["said"]
         assert not [n for n in got["left"] if n.endswith(TMP_SUFFIX)], got["left"]
-        if _found_no_room(got["said"], rank, os.path.join(small_fs, "ckpt", data_file_name(rank)), small_fs):
+        if _found_no_room(got["said"], rank, os.path.join(small_fs, "ckpt", data_file_name(rank)), small_fs, " bytes "):
             refused.append(rank)
     assert len(refused) == 1, outcomes
     written = capfd.readouterr().err  # the ranks' and their writers' own logs
