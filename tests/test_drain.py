@@ -36,6 +36,7 @@ from fastpersist_dist.storage.files import TMP_SUFFIX, written_through_name
 from fastpersist_dist.storage.persistent import PosixDir
 from fastpersist_dist.util.errors import FastPersistError
 from fastpersist_dist.tools.ranks import run_ranks
+from fastpersist_dist.tools.verify import verify_checkpoint
 
 from .helpers import empty_like_request, logged, run_one_rank_script
 from .tiers_driver import state
@@ -123,6 +124,40 @@ def test_a_save_never_finalized_leaves_nothing_in_the_persistent_directory(tmp_p
     assert not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX) or is_data_file(n)], os.listdir(ckpt)
     assert checkpoint_state(str(ckpt)) is None
 
+
+
+SAVED_LAST = textwrap.dedent("""
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from fastpersist_dist import FastPersistSaveStrategy, TierConfig
+
+    local, ckpt = sys.argv[1:3]
+    dist.init_process_group("gloo")
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4 << 20, dtype=torch.float32), replica_id=0)}
+    tiers = TierConfig(os.path.abspath(local), retry_s=5)  # a copy failing at every try gives up soon
+    dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(tiers=tiers))
+    print("saved", flush=True)
+""")
+
+
+def test_a_synchronous_save_as_the_last_thing_a_script_does_is_durable_by_the_exit(tmp_path):
+    """The copy to the persistent tier starts at the local commit, while the script is already exiting: the
+    interpreter then starts no thread (Python 3.12 refuses any), and the copy's read-ahead runs on a thread kept
+    from before. It used to fail at every try until ``retry_s`` ran out, the exit waiting all along."""
+    ckpt, local = tmp_path / "persistent" / "step1", tmp_path / "local"
+    ckpt.mkdir(parents=True)
+    done = run_one_rank_script(SAVED_LAST, str(local), str(ckpt))
+    assert done.returncode == 0 and "saved" in done.stdout, done.stderr[-3000:]
+    assert "failed" not in done.stderr, done.stderr[-3000:]
+    assert checkpoint_state(str(ckpt)) == "durable", done.stderr[-3000:]
+    report = verify_checkpoint(str(ckpt))
+    assert report.ok, report.problems
 
 
 LATE_WRITE = textwrap.dedent("""

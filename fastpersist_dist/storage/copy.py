@@ -26,18 +26,19 @@ import io
 import mmap
 import os
 import queue
-import threading
 import time
 from bisect import bisect_right
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 from typing import Callable, Iterator, Optional
 
 from ..format.checksum import digest_bytes
 from ..format.records import ShardRecord
+from ..util.beside import Beside
 from ..util.errors import CorruptCheckpointError, FastPersistError
 from .files import process_temporary, replace_durably, reserve_room, unlink_quietly
 from .mounts import on_memory_filesystem
@@ -391,9 +392,8 @@ def _copy_windows(fd: int, out: AtomicFile, windows: list[Window], where: str, w
     most = -(-max(w.read_end - w.start for w in windows) // DIRECT_ALIGN) * DIRECT_ALIGN
     for _ in range(min(2, len(windows))):  # unmapped when no view of them is left (an error may hold one)
         free.put(mmap.mmap(-1, most))  # mapped: a window in flight each, never touched
-    reader = threading.Thread(target=_read_windows, args=(fd, windows, free, ready, where, who, check, wait, mapped),
-                              name="fastpersist-copy-read", daemon=True)
-    reader.start()
+    reader = Beside(partial(_read_windows, fd, windows, free, ready, where, who, check, wait, mapped),
+                    "fastpersist-copy-read")
     try:
         for _ in windows:
             item = ready.get()

@@ -16,9 +16,10 @@ import logging
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Optional
 
+from ..util.beside import Beside, all_results
 from ..util.errors import CorruptCheckpointError, FastPersistError
 from .copy import CheckedFile, Span, check_file, chunk_plan, copy_checked, receive_checked
 from .files import atomic_write, unlink_quietly
@@ -305,9 +306,8 @@ def write_at_once(writes: list[tuple[PersistentDir, str, bytes]]) -> None:
         for where, name, data in writes:
             where.write(name, data)
         return
-    with ThreadPoolExecutor(len(writes), thread_name_prefix="fastpersist-put") as pool:
-        for done in [pool.submit(where.write, name, data) for where, name, data in writes]:
-            done.result()
+    all_results([Beside(partial(where.write, name, data), f"fastpersist-put-{i}")
+                 for i, (where, name, data) in enumerate(writes)])
 
 
 def checkpoint_url(checkpoint_dir: Any) -> str:

@@ -16,7 +16,9 @@ becomes durable; ``FASTPERSIST_EXIT_WAIT_S`` bounds that wait. Drains of
 saves never committed (finalize never ran) are given up first; retired files
 no save took are removed last (``storage/recycle.py``). The replicas travel
 over a group of their own (``topology.replication_group``), which a script's
-``destroy_process_group()`` leaves alone: the exit still sends them.
+``destroy_process_group()`` leaves alone: the exit still sends them. No thread
+can be started while the process exits: the workers and their helpers are
+started with the first tiered save (:func:`start_threads`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 
 from ...storage.persistent import checkpoint_url
 from ...storage.recycle import empty_pools
+from ...util.beside import keep_helpers
 from ...util.per_process import PerProcess
 from ..writer_process import writer_client
 from .drain import WRITTEN_THROUGH, Drain, drain
@@ -130,6 +133,15 @@ _begun = PerProcess(SavesBegun)
 replicator: Callable[[], Worker[Replication]] = _replicator.get
 drainer: Callable[[], Worker[Drain]] = _drainer.get
 retainer: Callable[[], Worker[Retention]] = _retainer.get
+
+
+def start_threads(replicas: bool) -> None:
+    """Start the threads a tiered save's background work runs on (the replication's where ``replicas``), and their
+    helpers (``util/beside.py``), unless running: its last checkpoint may be replicated and drained while the
+    process exits, when no thread can be started any more."""
+    for worker in (_drainer, _retainer) + ((_replicator,) if replicas else ()):
+        worker.get()
+    keep_helpers()
 
 
 def replicating() -> frozenset[str]:

@@ -29,7 +29,6 @@ import datetime
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -40,6 +39,7 @@ from ...format.tiers import REPLICATED, TierManifest
 from ...plan.replicas import ReplicaTransfer, replica_transfers
 from ...storage.copy import (AtomicFile, Span, block_spans, check_chunk, chunk_plan, pages_to_send,
                               sendable_in_place)
+from ...util.beside import Beside
 from ...util.errors import CorruptCheckpointError
 from ...util.lock_handoffs import prompt_lock_handoffs
 from ...util.per_process import PerProcess
@@ -102,10 +102,14 @@ def replicate(job: Replication) -> None:
                     for t in mine if t.src == job.rank])
 
     try:
-        with prompt_lock_handoffs(), ThreadPoolExecutor(1, thread_name_prefix="fastpersist-replica-send") as pool:
-            sent = pool.submit(sends)  # beside the receives: both directions move at once
-            ok = all([_receive(t, os.path.join(job.local, t.data_file), spans(t), job, who)
-                      for t in mine if t.dst == job.rank])
+        with prompt_lock_handoffs():
+            sent = Beside(sends, "fastpersist-replica-send")  # beside the receives: both directions move at once
+            try:
+                ok = all([_receive(t, os.path.join(job.local, t.data_file), spans(t), job, who)
+                          for t in mine if t.dst == job.rank])
+            except BaseException:
+                sent.join()  # the sends end too (a peer gone fails them): the receive's error is the one raised
+                raise
             ok &= sent.result()
         flag = torch.tensor([int(ok)])
         job.group.allreduce([flag], dist.ReduceOp.MIN).wait()

@@ -42,7 +42,7 @@ from ...util.errors import FastPersistError, SaveFailedError
 from ...util.lock_handoffs import wanted_interval
 from ..agreement import Agreement, failure
 from ..directory import invalidate
-from .background import begin_save, drainer, replicator, retainer
+from .background import begin_save, drainer, replicator, retainer, start_threads
 from .drain import ONCE_WRITTEN, WHILE_WRITTEN, WRITTEN_THROUGH, Drain, Planned
 from .replicate import Replication
 from .retention import Retention
@@ -78,6 +78,7 @@ class TieredSave:
         (before the first collective: the environment is every rank's).
         """
         wanted_interval()  # read by the background copies: a wrong value said here, not in their threads' logs
+        start_threads(config.replicas > 0)
         topo = topology()
         local = local_copy_dir(config.local_dir, checkpoint_dir)
         try:
