@@ -35,6 +35,8 @@ if _HAS_REGISTRY or hasattr(_serialization, "save_common"):
 else:
     from . import common_state_object as _common  # type: ignore[no-redef]
 
+from .metadata_json import megatron_config  # noqa: E402 - every version's, after the picks above
+
 REGISTRY = _HAS_REGISTRY  # save() and load() look strategies up by (backend, version)
 DEFAULT_FORMAT = _adapter.DEFAULT_FORMAT
 ASYNC_SAVE_KWARGS = _adapter.ASYNC_SAVE_KWARGS
@@ -64,6 +66,7 @@ __all__ = [
     "WRAPPER_SEAM",
     "common_files",
     "megatron_async_queue_class",
+    "megatron_config",
     "megatron_lm_async_replacement",
     "request_type",
     "register",

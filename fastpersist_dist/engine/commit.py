@@ -164,7 +164,7 @@ def _commit_top(commit: _Commit, reports: list[dict[str, Any]], world: int, bloc
 
 def finalize_save(
     checkpoint_dir: str, block_bytes: int, fmt: CheckpointFormat, aux_files: Optional[dict[str, bytes]] = None,
-    group: Optional[dist.ProcessGroup] = None, spread: bool = False,
+    group: Optional[dist.ProcessGroup] = None, spread: bool = False, beside: Optional[dist.ProcessGroup] = None,
 ) -> Optional[list[tuple[str, bytes]]]:
     """Collective: commit if every rank wrote its file, else raise everywhere.
 
@@ -175,6 +175,10 @@ def finalize_save(
     save's local commit, where ``checkpoint_dir`` is each node's own copy:
     nothing is written here; every rank gets the committed files, in commit
     order (the marker last), for its node's copy (``engine/tiers/save.py``).
+    ``beside``: a group of every rank that the collectives run over instead
+    of the trainer's, where the commit is made beside training (a tiered
+    async save's, ``engine/tiers/local_commit.py``); the statuses of a
+    planning group then travel point to point to its first rank.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
@@ -183,9 +187,8 @@ def finalize_save(
     committed = False
     outcome: list[Any] = [None, None]  # the failures, and the files kept for the local tiers
     try:
-        statuses: Optional[list] = [None] * len(ranks) if rank == leader else None
         try:
-            dist.gather_object(status, statuses, dst=leader, group=group)
+            statuses = _gathered(status, ranks, group, beside)
         except RuntimeError as e:  # torch's DistError family: a rank died or timed out
             raise _peer_failure(checkpoint_dir, rank, "gathering the planning group's write statuses", e, False) from e
         report = None
@@ -194,7 +197,7 @@ def finalize_save(
             report = _commit_part(checkpoint_dir, ranks, statuses, block_bytes, fmt, spread)
         reports: Optional[list] = [None] * world if rank == 0 else None
         try:
-            dist.gather_object(report, reports, dst=0)
+            dist.gather_object(report, reports, dst=0, group=beside)
         except RuntimeError as e:
             raise _peer_failure(checkpoint_dir, rank, "gathering the groups' part files", e, False) from e
         if rank == 0:
@@ -214,7 +217,7 @@ def finalize_save(
                     _log_summary(checkpoint_dir, reports)
             outcome = [failures, commit.kept]
         try:
-            dist.broadcast_object_list(outcome, src=0)
+            dist.broadcast_object_list(outcome, src=0, group=beside)
         except RuntimeError as e:
             raise _peer_failure(checkpoint_dir, rank, "broadcasting the commit outcome", e, committed) from e
     finally:
@@ -228,6 +231,27 @@ def finalize_save(
             + " | ".join(outcome[0])
         )
     return outcome[1]
+
+
+def _gathered(status: dict[str, Any], ranks: list[int], group: Optional[dist.ProcessGroup],
+              beside: Optional[dist.ProcessGroup]) -> Optional[list[dict[str, Any]]]:
+    """The planning group's statuses, in its rank order, on its first rank (None on the others): gathered over the
+    group (the world's over ``beside`` where given), or, for a planning group's commit made beside training, sent
+    point to point over ``beside``."""
+    rank, leader = dist.get_rank(), ranks[0]
+    if group is None or beside is None:
+        statuses: Optional[list] = [None] * len(ranks) if rank == leader else None
+        dist.gather_object(status, statuses, dst=leader, group=beside if group is None else group)
+        return statuses
+    if rank != leader:
+        dist.send_object_list([status], dst=leader, group=beside)
+        return None
+    statuses = [status]
+    for member in ranks[1:]:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=member, group=beside)
+        statuses.append(box[0])
+    return statuses
 
 
 def _peer_failure(checkpoint_dir: str, rank: int, step: str, error: BaseException, committed: bool) -> SaveFailedError:

@@ -295,11 +295,14 @@ class SaveEngine:
     def _committing(self, commit: Callable[[], Any], tier: Optional[TieredSave], items: list[WriteItem],
                     aux_files: dict[str, bytes], follow: bool) -> Callable[[], Any]:
         """The commit step of a save whose write plan is agreed: a tiered save's drain is queued now
-        (``follow``: the write runs in the writer process, see ``TieredSave.drain_beside``)."""
+        (``follow``: the write runs in the writer process, see ``TieredSave.drain_beside``), and so is the local
+        commit of an async one, which its finalize then waits for (``TieredSave.commit_when_written``)."""
         if tier is None:
             return commit
         committed = tier.drain_beside(self.fmt.data_file(dist.get_rank()), [i.record for i in items], self.config,
                                       follow)
+        if follow:
+            return tier.commit_when_written(commit, self.fmt, aux_files, committed)
         return partial(tier.commit, commit, self.fmt, aux_files, committed)
 
     def _agree(self, ckpt: str, out: Outgoing, error: Optional[str], phases: Phases,

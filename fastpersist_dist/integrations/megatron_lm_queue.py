@@ -68,7 +68,8 @@ class MegatronLMQueue:
         return self._ours.pending + (0 if self._theirs is None else self._theirs.get_num_unfinalized_calls())
 
     def close(self, abort: bool = False) -> None:
-        """Finalize everything (collective); ``abort``: drop our unfinished saves instead (left uncommitted)."""
+        """Finalize everything (collective); ``abort``: drop our unfinished saves instead, not finalized (left
+        uncommitted, but for a tiered save, committed to its local tiers once every rank's write is done)."""
         if abort:
             self._ours = AsyncSaveQueue()
         else:

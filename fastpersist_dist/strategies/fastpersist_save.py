@@ -139,7 +139,8 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         if self.tiers is None:
             return None
         url = checkpoint_url(checkpoint_dir)
-        return TieredSave.start(self.tiers.for_checkpoint(url), url)
+        return TieredSave.start(self.tiers.for_checkpoint(url), url,
+                                compat.megatron_config(self.backend, self.version))
 
     def _aux_files(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> dict[str, bytes]:
         """The files rank 0 commits beside the checkpoint (``common.pt``); a committed one there stays until then.

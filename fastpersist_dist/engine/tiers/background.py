@@ -1,6 +1,6 @@
-"""The threads that move tiered checkpoints while training goes on: one replicates, one drains, one removes the
-local copies a node no longer keeps, one removes the checkpoints a framework's retention gives up
-(``removal.py``).
+"""The threads that move tiered checkpoints while training goes on: one commits async saves to the local tiers
+once written (``local_commit.py``), one replicates, one drains, one removes the local copies a node no longer
+keeps, one removes the checkpoints a framework's retention gives up (``removal.py``).
 
 Each runs its jobs one after another, in the order of the saves, so a rank's
 part of checkpoint N is done before its part of N+1, on every rank alike (the
@@ -12,13 +12,15 @@ under way.
 
 A process that ends while copies are still under way waits for them at exit
 (logging what it waits for), so a training script's last checkpoint still
-becomes durable; ``FASTPERSIST_EXIT_WAIT_S`` bounds that wait. Drains of
-saves never committed (finalize never ran) are given up first; retired files
-no save took are removed last (``storage/recycle.py``). The replicas travel
-over a group of their own (``topology.replication_group``), which a script's
-``destroy_process_group()`` leaves alone: the exit still sends them. No thread
-can be started while the process exits: the workers and their helpers are
-started with the first tiered save (:func:`start_threads`).
+becomes durable; ``FASTPERSIST_EXIT_WAIT_S`` bounds that wait. Local commits
+still waiting for writers are given up first (on every rank: a save whose
+every write is done is committed all the same), then the drains of saves never
+committed; retired files no save took are removed last
+(``storage/recycle.py``). The replicas travel over a group of their own
+(``topology.replication_group``), which a script's ``destroy_process_group()``
+leaves alone: the exit still sends them. No thread can be started while the
+process exits: the workers and their helpers are started with the first
+tiered save (:func:`start_threads`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ...util.beside import keep_helpers
 from ...util.per_process import PerProcess
 from ..writer_process import writer_client
 from .drain import WRITTEN_THROUGH, Drain, drain
+from .local_commit import LocalCommit, await_writers_and_commit, finalize_step
 from .removal import Removal, SavesBegun, remove
 from .replicate import Replication, replicate
 from .retention import Retention, retain
@@ -76,8 +79,10 @@ class Worker(Generic[J]):
 
     @property
     def pending(self) -> int:
-        """Jobs submitted and not finished, but for drains still waiting for their save's commit."""
-        return sum(1 for job in self.open_jobs() if not isinstance(job, Drain) or job.committed.done())
+        """Jobs submitted and not finished, but for local commits and the drains still waiting for their save's
+        commit: copies of saves committed."""
+        return sum(1 for job in self.open_jobs()
+                   if not isinstance(job, LocalCommit) and (not isinstance(job, Drain) or job.committed.done()))
 
     def _loop(self) -> None:
         while True:
@@ -125,6 +130,7 @@ def _remove(job: Removal) -> None:
     remove(job, _begun.get())
 
 
+_committer = PerProcess(lambda: Worker("fastpersist-commit", await_writers_and_commit))
 _replicator = PerProcess(lambda: Worker("fastpersist-replicate", replicate))
 _drainer = PerProcess(lambda: Worker("fastpersist-drain", drain))
 _retainer = PerProcess(lambda: Worker("fastpersist-retain", _retain))
@@ -137,11 +143,19 @@ retainer: Callable[[], Worker[Retention]] = _retainer.get
 
 def start_threads(replicas: bool) -> None:
     """Start the threads a tiered save's background work runs on (the replication's where ``replicas``), and their
-    helpers (``util/beside.py``), unless running: its last checkpoint may be replicated and drained while the
-    process exits, when no thread can be started any more."""
-    for worker in (_drainer, _retainer) + ((_replicator,) if replicas else ()):
+    helpers (``util/beside.py``), unless running: its last checkpoint may be committed, replicated and drained
+    while the process exits, when no thread can be started any more."""
+    for worker in (_committer, _drainer, _retainer) + ((_replicator,) if replicas else ()):
         worker.get()
     keep_helpers()
+
+
+def commit_beside(job: LocalCommit) -> Callable[[], None]:
+    """Queue an async tiered save's local commit (``local_commit.py``); the save's finalize step, which waits for
+    it."""
+    committer = _committer.get()
+    committer.submit(job)
+    return finalize_step(job, committer.open_jobs)
 
 
 def replicating() -> frozenset[str]:
@@ -154,7 +168,7 @@ def replicating() -> frozenset[str]:
 
 def _workers() -> list[Worker[Any]]:
     """This process's workers made so far."""
-    return [w.get() for w in (_replicator, _drainer, _retainer, _remover) if w.made()]
+    return [w.get() for w in (_committer, _replicator, _drainer, _retainer, _remover) if w.made()]
 
 
 def remove_checkpoint(path: str) -> None:
@@ -236,18 +250,29 @@ def wait_copies(timeout: Optional[float] = None) -> bool:
 
 
 def _give_up_uncommitted() -> None:
-    """Drains of saves whose local commit never came (their finalize did not run): nothing of them is kept. Where
-    one writes through, the rank's writer is stopped first, once done with the jobs handed to it: a job that
-    reached it only after that drain had looked (from a forked async caller, still running) would leave its copy
-    in the persistent directory."""
-    if not _drainer.made():
-        return
-    given_up = [job for job in _drainer.get().open_jobs() if not job.committed.done()]
-    if any(job.planned is not None and job.planned.when == WRITTEN_THROUGH for job in given_up):
+    """At exit, the saves not committed: nothing of them is kept, but for a save whose every write is done.
+
+    Where a local commit waits for writes, or a drain of a save not committed
+    would take its writer's write-through copy, the rank's writer first
+    finishes the jobs handed to it and stops (a job reaching it later, from a
+    forked async caller still running, fails rather than leave a copy in the
+    persistent directory). Then each local commit still waiting is given up
+    (``local_commit.py``: on every rank, unless every write is done by then),
+    then the drains of saves whose local commit never came.
+    """
+    commits = _committer.get().open_jobs() if _committer.made() else []
+    drains = _drainer.get().open_jobs() if _drainer.made() else []
+    if commits or any(not job.committed.done() and job.planned is not None and job.planned.when == WRITTEN_THROUGH
+                      for job in drains):
         writer_client().stop(_exit_limit())
-    for job in given_up:
+    for commit in commits:
+        commit.given_up.set()
+    if commits and not _until(lambda: not _committer.get().open_jobs(), _exit_limit()):
+        logger.error("fastpersist: exiting with the local commits of %s unfinished",
+                     ", ".join(job.checkpoint_dir for job in _committer.get().open_jobs()))
+    for job in drains:
         try:
-            job.committed.set_exception(RuntimeError("the save was never finalized (process exiting)"))
+            job.committed.set_exception(RuntimeError("the save was not committed before the process exited"))
         except InvalidStateError:  # committed (or failed) after all
             pass
 

@@ -2,8 +2,10 @@
 
 A save with a ``TierConfig`` writes each rank's data file into its node's copy
 of the checkpoint (``format.tiers.local_copy_dir``) through the usual engine.
-The local commit (:meth:`TieredSave.commit`, at finalize) writes the index
-into every node's copy and then its tiers manifest; rank 0 writes the index,
+The local commit (:meth:`TieredSave.commit`: a synchronous save's right after
+its write; an async save's beside training as soon as every rank's writer is
+done, ``local_commit.py``, which its finalize waits for) writes the index into
+every node's copy and then its tiers manifest; rank 0 writes the index,
 not committed, into the persistent directory's ``PENDING_DIR`` (a node whose
 local tier is empty finds it there), the small files megatron reads before
 any strategy (``common.pt``), and the manifest in state ``local``: the
@@ -23,13 +25,14 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
 from ...format.checksum import digest_bytes
 from ...format.kinds import CheckpointFormat
-from ...format.records import INDEX_FILE, ShardRecord
+from ...format.records import INDEX_FILE, ShardRecord, status_file_name
 from ...format.tiers import LOCAL, TIERED_MARKERS, TIERS_FILE, TierManifest, local_copy_dir
 from ...plan.replicas import replica_nodes
 from ...storage.files import atomic_write, fsync_path, unlink_quietly
@@ -42,8 +45,9 @@ from ...util.errors import FastPersistError, SaveFailedError
 from ...util.lock_handoffs import wanted_interval
 from ..agreement import Agreement, failure
 from ..directory import invalidate
-from .background import begin_save, drainer, replicator, retainer, start_threads
+from .background import begin_save, commit_beside, drainer, replicator, retainer, start_threads
 from .drain import ONCE_WRITTEN, WHILE_WRITTEN, WRITTEN_THROUGH, Drain, Planned
+from .local_commit import LocalCommit, commit_group
 from .replicate import Replication
 from .retention import Retention
 from .state import pending_dir
@@ -67,9 +71,13 @@ class TieredSave:
     # (storage/recycle.py): a local tier in memory whose drain does not follow the write (it follows a file's
     # length, which an overwritten file has from the start).
     recycled: Optional[str]
+    # megatron's own files of the checkpoint (metadata.json: compat.megatron_config), which its save() writes
+    # after the strategy's, at finalize for an async save: rank 0 writes them to the persistent directory with
+    # the local commit, so that a checkpoint its manifest calls local (or durable) is one megatron's load() takes.
+    megatron_files: dict[str, bytes]
 
     @classmethod
-    def start(cls, config: TierConfig, checkpoint_dir: str) -> "TieredSave":
+    def start(cls, config: TierConfig, checkpoint_dir: str, megatron_files: dict[str, bytes]) -> "TieredSave":
         """Collective: this save's copies; this node's copy directory made (every rank, before any check).
 
         Raises ``ValueError`` on every rank alike where there are fewer other
@@ -90,7 +98,7 @@ class TieredSave:
         group = replication_group() if config.replicas else None
         follows = config.persistent and config.drain_while_writing
         recycled = pool_dir(config.local_dir) if on_memory_filesystem(config.local_dir) and not follows else None
-        save = cls(config, checkpoint_dir, local, topo, replicas, group, dist.get_rank(), recycled)
+        save = cls(config, checkpoint_dir, local, topo, replicas, group, dist.get_rank(), recycled, megatron_files)
         if save.node_leader:
             _advise_huge_pages(config.local_dir)
         return save
@@ -157,15 +165,20 @@ class TieredSave:
         home = persistent_dir(self.checkpoint_dir).local_path
         return None if home is None else os.path.join(home, data_file)
 
-    def commit(self, finalize: Callable[[], Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
-               aux_files: dict[str, bytes], committed: Optional["Future[TierManifest]"]) -> TierManifest:
+    def commit(self, finalize: Callable[..., Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
+               aux_files: dict[str, bytes], committed: Optional["Future[TierManifest]"],
+               beside: Optional[dist.ProcessGroup] = None) -> TierManifest:
         """Collective: the local commit (see the module), then the background work handed this checkpoint.
 
-        ``committed`` (:meth:`drain_beside`'s) gets the manifest, or the error
-        where the commit failed: the drain then discards what it copied.
+        ``finalize``: the commit of the writes (``engine/commit.py``'s
+        ``finalize_save``, its ``beside`` given). ``committed``
+        (:meth:`drain_beside`'s) gets the manifest, or the error where the
+        commit failed: the drain then discards what it copied. ``beside``: the
+        group every collective runs over where the commit is made beside
+        training (:meth:`commit_when_written`); None: the trainer's.
         """
         try:
-            manifest = self._commit(finalize, fmt, aux_files)
+            manifest = self._commit(partial(finalize, beside=beside), fmt, aux_files, beside)
         except BaseException as e:
             if committed is not None:
                 committed.set_exception(e)
@@ -174,8 +187,19 @@ class TieredSave:
             committed.set_result(manifest)
         return manifest
 
+    def commit_when_written(self, finalize: Callable[..., Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
+                            aux_files: dict[str, bytes], committed: Optional["Future[TierManifest]"]
+                            ) -> Callable[[], None]:
+        """Collective (on a process's first async tiered save: the commit group): an async save's :meth:`commit`,
+        queued to run beside training once every rank's writer is done (``local_commit.py``); the save's finalize
+        step, which waits for it and raises its error."""
+        group = commit_group()
+        status = os.path.join(self.local, status_file_name(self.rank))
+        return commit_beside(LocalCommit(self.rank, self.checkpoint_dir, status, group,
+                                         partial(self.commit, finalize, fmt, aux_files, committed, group), committed))
+
     def _commit(self, finalize: Callable[[], Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
-                aux_files: dict[str, bytes]) -> TierManifest:
+                aux_files: dict[str, bytes], beside: Optional[dist.ProcessGroup]) -> TierManifest:
         try:
             files = finalize()  # raises SaveFailedError on every rank where any rank failed
         except SaveFailedError as e:  # its ranks' errors name their paths: say which node each rank is on
@@ -183,7 +207,7 @@ class TieredSave:
                                   f"{self.topology.describe()}]") from e
         assert files is not None
         holder: list[Any] = [uuid.uuid4().hex if self.rank == 0 else None]
-        dist.broadcast_object_list(holder, src=0)
+        dist.broadcast_object_list(holder, src=0, group=beside)
         manifest = TierManifest(
             checkpoint_id=holder[0], checkpoint_dir=self.checkpoint_dir, local_dir=self.config.local_dir,
             nodes=self.topology.nodes, files={fmt.data_file(r): r for r in range(dist.get_world_size())},
@@ -199,13 +223,13 @@ class TieredSave:
                 home = persistent_dir(self.checkpoint_dir)
                 pending = pending_dir(home)
                 write_at_once([(pending, name, data) for name, data in files]
-                              + [(home, name, data) for name, data in aux_files.items()])
+                              + [(home, name, data) for name, data in {**aux_files, **self.megatron_files}.items()])
                 home.write(TIERS_FILE, manifest.to_json_bytes())
         except (OSError, FastPersistError) as e:
             error = f"rank {self.rank} ({describe_node()}): {type(e).__name__}: {e}"
         what = f"cannot commit checkpoint {self.checkpoint_dir} to the local tiers"
         Agreement(SaveFailedError, f"{what}; it is not committed",
-                  f"{what}; rank {self.rank}: a rank died or timed out").agree(failure(error))
+                  f"{what}; rank {self.rank}: a rank died or timed out").agree(failure(error), beside)
         if self.rank == 0:
             logger.info("fastpersist: %s committed to the local tiers of %d nodes (%s)%s", self.checkpoint_dir,
                         len(self.topology.nodes), self.local, self._next_steps())

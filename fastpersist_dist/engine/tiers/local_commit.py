@@ -1,0 +1,128 @@
+"""An async tiered save's local commit, made beside training as soon as every rank's writer is done.
+
+The training loop finalizes an async save at its next step after the writes
+end (megatron's queues look once per step), and a step can take seconds: a
+local commit made there would hold the replicas and the persistent tier's
+commit back by up to a step, and run the commit's collectives and file writes
+on the trainer's thread. So each rank queues its part of the commit on a
+thread of its own (``background.py``'s committer). Every ``POLL_S`` the ranks'
+committers join a round: an all-reduce, over a gloo group of their own
+(:func:`commit_group`), of whether each rank's write is over (its writer left
+its status file, or finalize says so) and whether a rank gives the save up
+(its process exits). The rounds end on every rank alike: once every write is
+over, every rank runs the commit (``TieredSave.commit``, its collectives over
+that group); where a rank gives up first, nothing is committed and every
+rank's finalize raises. Rounds rather than one collective that waits for the
+slowest writer: ranks whose writes end far apart never reach the group's
+timeout. The save's finalize waits for the commit's outcome and raises its
+error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...format.tiers import TierManifest
+from ...util.errors import SaveFailedError
+from ...util.per_process import PerProcess
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.01  # how often the ranks' committers agree on whether every writer is done
+
+_groups: PerProcess[dict[int, dist.ProcessGroup]] = PerProcess(dict)
+
+
+def commit_group() -> dist.ProcessGroup:
+    """Collective on first use in a process (per world size): a gloo group of every rank for the local commits
+    made beside training, whose collectives never interleave with the trainer's (which may run on NCCL)."""
+    known = _groups.get()
+    world = dist.get_world_size()
+    if world not in known:
+        known[world] = dist.new_group(backend="gloo")
+    return known[world]
+
+
+@dataclass
+class LocalCommit:
+    """One rank's part of an async tiered save's local commit."""
+
+    rank: int
+    checkpoint_dir: str  # the persistent tier's (for messages)
+    status: str  # the status file this rank's writer leaves once done (engine/status.py)
+    group: dist.ProcessGroup  # commit_group()
+    commit: Callable[[], TierManifest]  # TieredSave.commit, its collectives over ``group``
+    committed: Optional["Future[TierManifest]"]  # the drain's (TieredSave.drain_beside): told where none is made
+    result: "Future[TierManifest]" = field(default_factory=Future)
+    written: threading.Event = field(default_factory=threading.Event)  # finalize: every rank's write is over
+    given_up: threading.Event = field(default_factory=threading.Event)  # the process exits
+
+    def done_here(self) -> bool:
+        """Whether this rank's write is over: its writer's status is there, or finalize said so."""
+        return self.written.is_set() or os.path.exists(self.status)
+
+
+def await_writers_and_commit(job: LocalCommit) -> None:
+    """The rounds, then the commit (see the module); its outcome in ``job.result``."""
+    try:
+        _wait_for_writers(job)
+        job.result.set_result(job.commit())
+    except BaseException as e:  # noqa: BLE001 - raised at finalize, on every rank alike
+        logger.debug("fastpersist: rank %d: the local commit of %s failed: %s", job.rank, job.checkpoint_dir, e,
+                     exc_info=True)
+        if job.committed is not None and not job.committed.done():  # the commit was not reached
+            job.committed.set_exception(e)
+        job.result.set_exception(e)
+
+
+def _wait_for_writers(job: LocalCommit) -> None:
+    """Return once every rank's writer is done; raise ``SaveFailedError`` on every rank where a rank gave up or
+    died first."""
+    world, start, rounds = dist.get_world_size(job.group), time.perf_counter(), 0
+    while True:
+        flags = torch.tensor([int(job.done_here()), int(job.given_up.is_set())], dtype=torch.int64)
+        try:
+            dist.all_reduce(flags, group=job.group)
+        except RuntimeError as e:  # torch's DistError family: a rank died or timed out
+            raise SaveFailedError(
+                f"rank {job.rank}: async save of {job.checkpoint_dir} cannot be committed to the local tiers, a rank "
+                f"died or timed out ({type(e).__name__}: {e}); it was not committed") from e
+        rounds += 1
+        done, giving_up = (int(v) for v in flags.tolist())
+        if done == world:
+            logger.debug("fastpersist: rank %d: every writer of %s done, committing it to the local tiers (%d "
+                         "rounds, %.2f s)", job.rank, job.checkpoint_dir, rounds, time.perf_counter() - start)
+            return
+        if giving_up:
+            raise SaveFailedError(
+                f"rank {job.rank}: async save of {job.checkpoint_dir} given up: the process of {giving_up} rank(s) "
+                f"exited while {world - done} of {world} writers were still writing; it was not committed")
+        time.sleep(POLL_S)
+
+
+def finalize_step(job: LocalCommit, earlier: Callable[[], list[Any]]) -> Callable[[], None]:
+    """The save's finalize step: tell the commit that every rank's write is over, wait for it, raise its error.
+
+    ``earlier``: the commits queued so far, in order. Those ahead of this one
+    whose finalize never ran (a request dropped unscheduled) are told their
+    writes are over too, so that this commit is not held behind them: each of
+    them then fails on the status its writer never left.
+    """
+    def finalize() -> None:
+        for other in earlier():
+            if other is job:
+                break
+            other.written.set()
+        job.written.set()
+        job.result.result()
+
+    return finalize
