@@ -27,8 +27,9 @@ the same instant, the least that a call which copies the state can block.
 A tiered contender (``fastpersist_tiered``: ``local_dir``, the persistent
 tier the bench directory or ``persistent``, a directory or ``msc://`` URL)
 also reports the time from the call until each checkpoint is durable on the
-persistent tier (the time its manifest records; the local commit is seen by the
-next step's finalize, as for the others), and, after its last repetition, a
+persistent tier and until it is committed to the local tiers (the times its
+manifests record: an async tiered save is committed once written, not at the
+loop's next finalize), and, after its last repetition, a
 restart: that repetition's synchronous save loaded from the local tier, then,
 its local copy removed, from the persistent tier, beside the local tier's read
 bounds (the device bound's reads of each rank's even share of the state, plain
@@ -447,9 +448,11 @@ def run_loop(cp: _Checkpointer, sd: dict, tensors: list[torch.Tensor], compute: 
     def finalized(count: int) -> None:
         for _ in range(count):
             ckpt, call, called_at = pending.pop(0)
-            run.durable_s.append(time.perf_counter() - call)
-            if cp.tiered:
+            if cp.tiered:  # committed once written: the time its manifest records, not the loop's next step
+                run.durable_s.append(_local_manifest(cfg, ckpt).created - called_at)
                 draining.append((ckpt, called_at))
+            else:
+                run.durable_s.append(time.perf_counter() - call)
             if cp.replicas:
                 replicating_now.append((ckpt, call, _local_manifest(cfg, ckpt)))
 
@@ -815,7 +818,8 @@ def format_loop_table(rep: dict) -> str:
         f"into {_where(rep)}; "
         f"median of {rep['reps']} (slowest rank); 'call' = the save call blocking the loop, first of the process "
         f"apart; 'sync' = a synchronous save of the same state by the same backend; 'durable' = call to commit, "
-        f"seen by the next step's finalize; 'overlap' = saves called while an earlier one was still in flight (they "
+        f"seen by the next step's finalize (tiered: to the local commit, as its manifest records); 'overlap' = saves "
+        f"called while an earlier one was still in flight (they "
         f"queue behind it), of all; 'alone/sync' = durable of the others",
         f"{'contender':<28}{'loop s':>16}{'slowdown':>10}{'lost/ckpt s':>12}{'1st call s':>11}{'call s':>8}"
         f"{'sync s':>8}{'call/sync':>10}{'durable s':>10}{'dur/sync':>9}{'overlap':>8}{'alone/sync':>11}"
