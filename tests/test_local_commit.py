@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from megatron.core import dist_checkpointing
 
 from fastpersist_dist import FastPersistLoadStrategy, TierConfig, checkpoint_state, wait_durable
 from fastpersist_dist.engine.async_queue import AsyncSaveQueue
+from fastpersist_dist.engine.writer_process import writer_client
 from fastpersist_dist.format.index_pages import PART_FILE_RE, part_file_name
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.tools.verify import verify_checkpoint
@@ -98,3 +100,33 @@ def test_a_request_never_scheduled_does_not_hold_the_next_saves_commit(tmp_path)
     outcomes = run_ranks(2, _dropped_then_saved, str(tmp_path))
     assert all(o["finalized"] == [1] and o["kept"] for o in outcomes), outcomes
     assert checkpoint_state(str(tmp_path / "persistent" / "dropped")) is None
+
+
+def _finalized_while_the_next_one_writes(rank: int, world: int, root: str) -> dict:
+    """Save A, committed and durable, not finalized; save B scheduled, its writer held stopped; then A finalized."""
+    sd = async_state(rank, world)
+    strategy = native_strategy(tiers=TierConfig(f"{root}/local"))
+    queue = AsyncSaveQueue()
+    queue.schedule(async_save(sd, f"{root}/persistent/a", strategy))
+    assert wait_durable(f"{root}/persistent/a", timeout=DEADLINE_S)
+    want = snapshot(sd)
+    queue.schedule(async_save(sd, f"{root}/persistent/b", strategy))
+    writer = writer_client().pid
+    os.kill(writer, signal.SIGSTOP)  # B's write cannot end before A's finalize
+    try:
+        finalized = queue.maybe_finalize(blocking=False)  # A only: B's writer is still busy
+        time.sleep(0.5)  # many rounds of B's commit, none of which may take B's write for over
+        state_while_stopped = checkpoint_state(f"{root}/persistent/b")
+    finally:
+        os.kill(writer, signal.SIGCONT)
+    finalized += queue.maybe_finalize(blocking=True)
+    load_and_compare(sd, want, f"{root}/persistent/b")
+    return {"finalized": finalized, "b while its writer was stopped": state_while_stopped}
+
+
+def test_finalizing_a_committed_save_leaves_the_next_ones_commit_waiting_for_its_writers(tmp_path):
+    """Save A is committed beside training and finalized only once save B is on its way: A's finalize must not
+    take B's write for over (it marks only commits queued ahead of its own, and A's is done), or B's commit
+    would run before its writers left their statuses and fail."""
+    outcomes = run_ranks(2, _finalized_while_the_next_one_writes, str(tmp_path))
+    assert outcomes == [{"finalized": [1, 2], "b while its writer was stopped": None}] * 2, outcomes

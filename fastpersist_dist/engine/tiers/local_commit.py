@@ -109,18 +109,19 @@ def _wait_for_writers(job: LocalCommit) -> None:
         time.sleep(POLL_S)
 
 
-def finalize_step(job: LocalCommit, earlier: Callable[[], list[Any]]) -> Callable[[], None]:
+def finalize_step(job: LocalCommit, unfinished: Callable[[], list[Any]]) -> Callable[[], None]:
     """The save's finalize step: tell the commit that every rank's write is over, wait for it, raise its error.
 
-    ``earlier``: the commits queued so far, in order. Those ahead of this one
-    whose finalize never ran (a request dropped unscheduled) are told their
-    writes are over too, so that this commit is not held behind them: each of
-    them then fails on the status its writer never left.
+    ``unfinished``: the commits queued and not finished, in order. Those ahead
+    of this one (a request dropped unscheduled, whose finalize never runs) are
+    told their writes are over too, so that this commit is not held behind
+    them: each of them then fails on the status its writer never left. Those
+    after it are left alone: their saves may still be writing.
     """
     def finalize() -> None:
-        for other in earlier():
-            if other is job:
-                break
+        queued = unfinished()
+        ahead = next((i for i, other in enumerate(queued) if other is job), 0)  # not there: done, as all before it
+        for other in queued[:ahead]:
             other.written.set()
         job.written.set()
         job.result.result()
