@@ -270,6 +270,10 @@ def _give_up_uncommitted() -> None:
     if commits and not _until(lambda: not _committer.get().open_jobs(), _exit_limit()):
         logger.error("fastpersist: exiting with the local commits of %s unfinished",
                      ", ".join(job.checkpoint_dir for job in _committer.get().open_jobs()))
+    for commit in commits:  # no finalize reports these
+        if commit.result.done() and commit.result.exception() is not None:
+            logger.warning("fastpersist: rank %d: %s was not committed: %s", commit.rank, commit.checkpoint_dir,
+                           commit.result.exception())
     for job in drains:
         try:
             job.committed.set_exception(RuntimeError("the save was not committed before the process exited"))

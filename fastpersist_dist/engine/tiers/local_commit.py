@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -77,10 +77,12 @@ def await_writers_and_commit(job: LocalCommit) -> None:
         _wait_for_writers(job)
         job.result.set_result(job.commit())
     except BaseException as e:  # noqa: BLE001 - raised at finalize, on every rank alike
-        logger.debug("fastpersist: rank %d: the local commit of %s failed: %s", job.rank, job.checkpoint_dir, e,
-                     exc_info=True)
-        if job.committed is not None and not job.committed.done():  # the commit was not reached
-            job.committed.set_exception(e)
+        logger.debug("fastpersist: rank %d: the local commit of %s failed: %s", job.rank, job.checkpoint_dir, e)
+        if job.committed is not None:  # where the commit was not reached, the drain learns it here
+            try:
+                job.committed.set_exception(e)
+            except InvalidStateError:  # told by the commit itself, or by the exit
+                pass
         job.result.set_exception(e)
 
 
