@@ -54,6 +54,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(marker)
         if not any(item.get_closest_marker(m) for m in ("engine", "stack", "contract")):
             raise pytest.UsageError(f"{item.nodeid} says none of engine, stack, contract: mark its module (pytestmark)")
+    # The slow tests first: with two workers (``-n 2 --dist load``, the README's test command) each is handed
+    # the first tests in turn, so the longest run side by side from the start and the short ones fill in around
+    # them, instead of a few long ones running last on one worker while the other waits.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def need(what: str, missing: str) -> None:

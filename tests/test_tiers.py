@@ -100,6 +100,7 @@ def _data_files(directory: str) -> list[str]:
 
 
 @pytest.mark.contract
+@pytest.mark.slow
 def test_each_node_keeps_its_share_and_loads_it_from_its_own_copy(cluster):
     """An async save: local at once, then durable, each rank's data file copied to the persistent directory while
     its writer wrote it (``drain_while_writing``); the persistent tier's data files are then removed, so the load
@@ -138,6 +139,7 @@ def test_each_node_keeps_its_share_and_loads_it_from_its_own_copy(cluster):
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_a_fresh_node_and_a_damaged_copy_read_the_persistent_tier(cluster):
     """Node 1's local tier is empty (a replaced machine); a byte of node 0's copy rotted: both load from the
     persistent tier, node 0 saying which copy failed its checksums."""
@@ -155,6 +157,7 @@ def test_a_fresh_node_and_a_damaged_copy_read_the_persistent_tier(cluster):
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_replicas_let_a_replaced_node_resume_from_the_local_tiers(memory_cluster):
     """replicas=1, local checkpoints only, local tiers in memory, five saves with keep_local=1, each one's copies
     made before the next: each node also keeps the other's file (inspect shows it, from the persistent directory
@@ -238,6 +241,7 @@ def test_saves_that_outrun_their_replication_keep_the_copies_it_still_sends(clus
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_replicas_still_queued_when_the_script_destroys_its_process_groups_are_sent_at_exit(cluster):
     """The script saves and calls destroy_process_group() at once, its replicas (64 MiB a node) still queued: each
     process's exit sends them, over the replication's own group, and exits cleanly; the checkpoint is replicated."""
@@ -251,6 +255,7 @@ def test_replicas_still_queued_when_the_script_destroys_its_process_groups_are_s
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_a_damaged_replica_is_detected_and_the_next_copy_used(cluster):
     """Node 0 lost; the replica of its file on node 1 rotted. Every rank loads all of ``w`` reading for itself
     (a resharding, reads not shared), so node 1 reads node 0's file from its replica: the checksums catch it,
@@ -274,6 +279,7 @@ def _local_view(cluster: dict, outside: str) -> str:
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_a_local_only_checkpoint_that_lost_a_node_is_refused_naming_the_newest_durable_one(cluster):
     """s3 was durable, then saved again local-only: its old commit markers left the persistent directory when
     that save started, so it is no longer the newest durable checkpoint; s1 is."""
@@ -294,6 +300,7 @@ def test_a_local_only_checkpoint_that_lost_a_node_is_refused_naming_the_newest_d
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_a_node_killed_during_replication_loses_nothing(cluster):
     """Node 1 killed while a replica is on its way: the checkpoint never shows replicated, no partial replica
     is taken for a copy, and after the restart it loads from the local tiers, as does the durable one before."""
@@ -324,6 +331,7 @@ def _listdir(path: str) -> list[str]:
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_a_full_local_tier_fails_the_save_naming_node_and_path(cluster, small_fs):
     """Node 1's local tier is an 8 MiB filesystem; a save of 16 MiB per rank fails on every rank with an error
     naming node 1 and the path, and the durable checkpoint before it still loads."""
@@ -337,6 +345,7 @@ def test_a_full_local_tier_fails_the_save_naming_node_and_path(cluster, small_fs
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_drained_to_object_storage_and_restarted_from_it(cluster, s3):
     """The persistent tier an S3 bucket (msc://), two ranks a node: durable there; both local tiers lost, a load
     fetches the index (once a node) and every file a rank reads from S3 (checked) into the local tiers, and the
@@ -364,6 +373,7 @@ def test_drained_to_object_storage_and_restarted_from_it(cluster, s3):
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_the_s3_server_killed_during_the_drain(cluster, s3):
     """S3 killed once the checkpoint is committed locally (and megatron's save() wrote its metadata.json), back 5 s
     later: the drain tries again and finishes; it is never durable before; it then loads from S3 alone."""
