@@ -374,17 +374,22 @@ def test_drained_to_object_storage_and_restarted_from_it(cluster, s3):
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_the_s3_server_killed_during_the_drain(cluster, s3):
-    """S3 killed once the checkpoint is committed locally (and megatron's save() wrote its metadata.json), back 5 s
-    later: the drain tries again and finishes; it is never durable before; it then loads from S3 alone."""
+def test_the_s3_server_killed_during_the_drain(cluster, s3, tmp_path):
+    """S3 killed once every rank's save() returned (the checkpoint committed locally, megatron's metadata.json
+    written), back 5 s later: the drain tries again and finishes; it is never durable before; it then loads from
+    S3 alone. Not at the first sight of metadata.json: the local commit writes it, and megatron's save() writes
+    it again after a barrier, which a rank 0 refused by a stopped S3 would leave the other ranks waiting in."""
     url = f"msc://s3/{uuid.uuid4().hex}/s1"
+    returned = tmp_path / "returned"
+    returned.mkdir()
     args = {"msc": True, "saves": [{"checkpoint": url, "local_dir": cluster["local"], "step": 1, "rows": 65536,
-                                    "wait_durable": True, "timeout": 240}]}
+                                    "wait_durable": True, "timeout": 240, "returned": str(returned)}]}
     nodes = Nodes("save", args, cluster["nodes"], cluster["local"])
     deadline = time.monotonic() + 240
-    while (state := _state_or_none(url)) is None or persistent_dir(url).read("metadata.json") is None:
-        assert time.monotonic() < deadline and all(p.poll() is None for p in nodes.procs), "no local commit"
+    while len(os.listdir(returned)) < 2 or (state := _state_or_none(url)) is None:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in nodes.procs), "no save returned"
         time.sleep(0.01)
+    assert persistent_dir(url).read("metadata.json") is not None
     s3.stop()
     assert state == "local"
     time.sleep(5)

@@ -5,7 +5,7 @@ namespace of its own where the same local-tier path is that node's own directory
 
 * ``save``: for each of ``saves``, save the state of its ``step`` (``rows`` rows of ``w`` per rank) into its
   ``checkpoint`` (``local_dir``, ``replicas``, ``persistent``, ``drain_while_writing``, ``write_through``,
-  ``async`` as it says),
+  ``async`` as it says), leave a file ``rank<N>`` in the directory ``returned`` once the call is over,
   then optionally wait
   until it is durable (``wait_durable``) or until this rank's copies are done (``wait_copies``);
 * ``load``: load ``checkpoint`` into a fresh state of ``step`` (with ``loader_local_dir`` and ``share_reads`` if
@@ -87,6 +87,8 @@ def _save(rank: int, world: int, args: dict) -> dict:
             dist_checkpointing.save(sd, ckpt, sharded_strategy=strategy)
     except Exception as e:  # noqa: BLE001 - reported to the test
         saved["error"] = f"{type(e).__name__}: {e}"
+    if args.get("returned"):  # a directory the test watches: this rank's save() call is over
+        open(os.path.join(args["returned"], f"rank{rank}"), "w").close()
     saved["state_after_save"] = _state(ckpt)
     if args.get("wait_durable"):
         saved["durable"] = wait_durable(ckpt, timeout=args.get("timeout", 120))
