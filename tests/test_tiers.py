@@ -378,7 +378,8 @@ def test_the_s3_server_killed_during_the_drain(cluster, s3, tmp_path):
     """S3 killed once every rank's save() returned (the checkpoint committed locally, megatron's metadata.json
     written), back 5 s later: the drain tries again and finishes; it is never durable before; it then loads from
     S3 alone. Not at the first sight of metadata.json: the local commit writes it, and megatron's save() writes
-    it again after a barrier, which a rank 0 refused by a stopped S3 would leave the other ranks waiting in."""
+    it again just before a barrier, which a rank 0 refused there by a stopped S3 never reaches, leaving the other
+    ranks waiting in it."""
     url = f"msc://s3/{uuid.uuid4().hex}/s1"
     returned = tmp_path / "returned"
     returned.mkdir()

@@ -5,7 +5,7 @@ namespace of its own where the same local-tier path is that node's own directory
 
 * ``save``: for each of ``saves``, save the state of its ``step`` (``rows`` rows of ``w`` per rank) into its
   ``checkpoint`` (``local_dir``, ``replicas``, ``persistent``, ``drain_while_writing``, ``write_through``,
-  ``async`` as it says), leave a file ``rank<N>`` in the directory ``returned`` once the call is over,
+  ``async`` as it says), leave a file ``rank<N>`` in the directory ``returned`` (if given) once the call is over,
   then optionally wait
   until it is durable (``wait_durable``) or until this rank's copies are done (``wait_copies``);
 * ``load``: load ``checkpoint`` into a fresh state of ``step`` (with ``loader_local_dir`` and ``share_reads`` if
