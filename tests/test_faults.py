@@ -45,7 +45,7 @@ from fastpersist_dist.engine.writer_process import writer_client
 from fastpersist_dist.format.index_pages import part_file_name
 from fastpersist_dist.format.records import INDEX_FILE, data_file_name, is_data_file, status_file_name
 from fastpersist_dist.storage.deepspeed_ops import aio_module, ensure_fast_file_writer_usable
-from fastpersist_dist.storage.files import TMP_SUFFIX, written_through_name
+from fastpersist_dist.storage.files import TMP_SUFFIX, reserve_room, written_through_name
 from fastpersist_dist.storage.writer import confirm_on_disk, prepare_direct_writes, write_rank_file
 from fastpersist_dist.tools.inspect import format_report, inspect_checkpoint
 from fastpersist_dist.tools.ranks import Outcome, run_ranks
@@ -536,6 +536,51 @@ def test_copies_that_fit_only_one_at_a_time_never_fill_the_persistent_directory(
     assert len(refused) == 1, outcomes
     written = capfd.readouterr().err  # the ranks' and their writers' own logs
     assert not _filled(written.splitlines()), written
+
+
+def _reserve_at_once(path: str, nbytes: int, start: Any, decided: Any, results: Any) -> None:
+    """Reserve ``nbytes`` for ``path`` the moment ``start`` lets every process go; a process that got its room
+    holds it (as a copy being written would) until ``decided`` says every other process has its answer."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    start.wait()
+    try:
+        reserve_room(fd, path, nbytes, f"pid {os.getpid()}")
+        results.put(("allocated", os.fstat(fd).st_blocks * 512))
+        decided.wait(60)
+    except FastPersistError as e:
+        results.put(("refused", str(e), os.fstat(fd).st_blocks * 512))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_room_reserved_at_the_same_moment_goes_to_exactly_one_copy(small_fs):
+    """Three processes reserve room for copies at the same instant on a filesystem that holds one (with
+    ``COPY_HEADROOM_BYTES`` to spare): an allocation takes its blocks a few at a time, so each can find the
+    others' blocks taken; round after round exactly one gets its room whole and the others are refused, naming
+    their file, with nothing allocated."""
+    import multiprocessing
+
+    _remount(small_fs, "size=200m")
+    nbytes = 100 << 20
+    ctx = multiprocessing.get_context("fork")  # the children run only files.reserve_room: no threads, no aio
+    for round_ in range(4):
+        start, decided, results = ctx.Barrier(3), ctx.Event(), ctx.Queue()
+        paths = [os.path.join(small_fs, f"copy{i}.r{round_}") for i in range(3)]
+        procs = [ctx.Process(target=_reserve_at_once, args=(p, nbytes, start, decided, results)) for p in paths]
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=60) for _ in procs]
+        decided.set()
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0, (round_, got)
+        assert sorted(g[0] for g in got) == ["allocated", "refused", "refused"], (round_, got)
+        assert [g[1] for g in got if g[0] == "allocated"] == [nbytes], (round_, got)
+        for g in got:
+            if g[0] == "refused":
+                assert "no room for " + small_fs in g[1] and g[2] == 0, (round_, got)
+        assert os.listdir(small_fs) == [], (round_, os.listdir(small_fs))
 
 
 def _read_only(rank: int, world: int, fs: str) -> list[str]:

@@ -13,6 +13,8 @@ import errno
 import fcntl
 import functools
 import os
+import random
+import time
 from typing import Callable, Iterable, Optional
 
 from ..format.checksum import digest_bytes
@@ -62,6 +64,33 @@ def _no_room_for(path: str, nbytes: int) -> Optional[str]:
             f"({COPY_HEADROOM_BYTES >> 20} MiB of it kept free)")
 
 
+# A copy that loses its room to copies allocating at the same moment (each finds the others' bytes taken)
+# lets go of what it allocated and tries again after a random pause: the first back takes the room, the next
+# finds it taken before allocating. The pauses grow from up to 0.1 s; a few tries (about 0.7 s at most).
+_CONTENDED_TRIES = 4
+_CONTENDED_PAUSE_S = 0.1
+_pause = random.SystemRandom()  # never the same pauses in processes forked from one parent
+
+
+def _allocate(fd: int, path: str, nbytes: int) -> tuple[Optional[str], bool]:
+    """One try of ``reserve_room``: why the copy does not start (None if its bytes are allocated), and whether
+    other copies allocating at the same moment may be why (the room was there before allocating)."""
+    full = _no_room_for(path, nbytes)
+    if full is not None or not nbytes:
+        return full, False
+    # KEEP_SIZE: the file stays empty to its writer (DeepSpeed's FastFileWriter appends its unaligned tail).
+    err = 0 if _fallocate()(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes) == 0 else ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return None, False
+    if err:
+        return f"no room for {path}: allocating its {nbytes} bytes failed: {os.strerror(err)}", err == errno.ENOSPC
+    free = free_bytes(os.path.dirname(path) or ".")
+    if free < COPY_HEADROOM_BYTES:
+        return (f"no room for {path}: its {nbytes} bytes allocated left {free} free on its filesystem, "
+                f"under the {COPY_HEADROOM_BYTES >> 20} MiB kept free (other copies took the room)"), True
+    return None, False
+
+
 def reserve_room(fd: int, path: str, nbytes: int, who: str) -> None:
     """Allocate the ``nbytes`` of a copy to ``path`` (its new, empty temporary file open as ``fd``) before they are
     written, keeping ``COPY_HEADROOM_BYTES`` free on the filesystem, or raise ``FastPersistError`` (naming
@@ -70,25 +99,20 @@ def reserve_room(fd: int, path: str, nbytes: int, who: str) -> None:
     Why: the ranks' copies into a persistent directory start at once, and a copy that fills a shared filesystem
     fails what everything else writes there (the checkpoint's commit among it) and the copies themselves midway,
     then fills it again at every retry. Each finding room for its own file is not enough: together they can
-    overfill it. Allocated up front, the copies take their room one after another, the check after allocating
-    sees every copy allocated before, and a copy that does not fit (or exceeds a quota, which statvfs does not
-    show) is refused before it writes. Where the filesystem cannot allocate ahead (NFS before 4.2), the check
-    alone.
+    overfill it. Allocated up front, a copy that does not fit (or exceeds a quota, which statvfs does not show)
+    is refused before it writes. An allocation is not atomic (a filesystem takes the blocks a few at a time), so
+    copies allocating at the same moment can each find the others' blocks taken and all be refused where one
+    would fit: each lets go and tries again after a random pause, and the first back takes the room. Where the
+    filesystem cannot allocate ahead (NFS before 4.2), the check alone.
     """
-    full = _no_room_for(path, nbytes)
-    if full is None and nbytes:
-        # KEEP_SIZE: the file stays empty to its writer (DeepSpeed's FastFileWriter appends its unaligned tail).
-        err = 0 if _fallocate()(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes) == 0 else ctypes.get_errno()
-        if err and err not in _UNSUPPORTED:
-            full = f"no room for {path}: allocating its {nbytes} bytes failed: {os.strerror(err)}"
-        elif not err:
-            free = free_bytes(os.path.dirname(path) or ".")
-            if free < COPY_HEADROOM_BYTES:
-                full = (f"no room for {path}: its {nbytes} bytes allocated left {free} free on its filesystem, "
-                        f"under the {COPY_HEADROOM_BYTES >> 20} MiB kept free (other copies took the room)")
-    if full is not None:
+    for attempt in range(_CONTENDED_TRIES):
+        full, contended = _allocate(fd, path, nbytes)
+        if full is None:
+            return
         os.ftruncate(fd, 0)
-        raise FastPersistError(f"{who}: {full}")
+        if not contended or attempt == _CONTENDED_TRIES - 1:
+            raise FastPersistError(f"{who}: {full}")
+        time.sleep(_pause.uniform(0, _CONTENDED_PAUSE_S * 2 ** attempt))
 
 
 def process_temporary(path: str) -> str:
