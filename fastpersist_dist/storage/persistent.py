@@ -13,13 +13,14 @@ piece, data files put and fetched with every block checked against the index
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import shutil
 import time
 from functools import partial
 from typing import Any, Optional
 
-from ..util.beside import Beside, all_results
+from ..util.beside import Beside, all_results, pools_refuse_work
 from ..util.errors import CorruptCheckpointError, FastPersistError
 from .copy import CheckedFile, Span, check_file, chunk_plan, copy_checked, receive_checked
 from .files import atomic_write, unlink_quietly
@@ -228,11 +229,18 @@ class MscDir(PersistentDir):
         """Boto3 uploads a :class:`CheckedFile`, read in Python threads. Where the profile enables msc's Rust
         client, which uploads a file given by its path outside this interpreter (about half the CPU, the two
         checks included), it reads ``src`` itself: ``src`` is checked whole before and after, so the bytes it
-        read are those checked, and a failed check after removes the object."""
+        read are those checked, and a failed check after removes the object. While the process exits, boto3
+        cannot send a file above msc's multipart threshold (its parts go from a thread pool of its own, which
+        an exiting interpreter refuses): ``src`` is then sent in one PUT from a mapping of it, checked the same
+        way (S3 takes up to 5 GiB in one PUT)."""
         start = time.perf_counter()
-        if self._uploads_paths:
+        if self._uploads_paths or pools_refuse_work():
             check_file(src, spans, size, who)
-            self._call("uploading to", name, self._client.upload_file, self._key(name), src)
+            if self._uploads_paths:
+                self._call("uploading to", name, self._client.upload_file, self._key(name), src)
+            else:
+                logger.debug("%s: the process exits: %s goes to %s in one PUT", who, src, self.where(name))
+                self._put_mapped(name, src, size)
             try:
                 check_file(src, spans, size, who)
             except CorruptCheckpointError:
@@ -250,6 +258,14 @@ class MscDir(PersistentDir):
             raise FastPersistError(f"{who}: {self.where(name)} holds {stored} bytes after its upload, {src} has "
                                    f"{size}")
         return time.perf_counter() - start
+
+    def _put_mapped(self, name: str, src: str, size: int) -> None:
+        """``src`` (``size`` bytes) to ``name`` in one PUT, read by the client from a read-only mapping of it."""
+        if not size:
+            self.write(name, b"")
+            return
+        with open(src, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapped:
+            self._call("uploading to", name, self._client.write, self._key(name), mapped)
 
     def fetch(self, name: str, dst: str, spans: list[Span], size: int, who: str) -> float:
         from multistorageclient.types import Range

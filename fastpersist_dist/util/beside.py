@@ -125,3 +125,17 @@ _helpers: PerProcess[_Helpers] = PerProcess(_Helpers)
 def keep_helpers(count: int = HELPERS_AHEAD) -> None:
     """Start ``count`` kept threads now (where fewer are kept), for work this process hands them while it exits."""
     _helpers.get().keep(count)
+
+
+def pools_refuse_work() -> bool:
+    """Whether a new thread pool refuses work here and now (the interpreter exiting: no thread starts on Python
+    3.12, and ``concurrent.futures`` takes no new work on any version), as it would refuse a library that makes
+    its own (boto3's transfers): tried, not inferred from the version."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-probe") as pool:
+            pool.submit(int).result()
+    except RuntimeError:
+        return True
+    return False
