@@ -181,6 +181,7 @@ def test_a_synchronous_save_as_the_last_thing_a_script_does_is_durable_by_the_ex
     _saved_last(str(tmp_path / "local"), str(ckpt), 4 << 20)
 
 
+@pytest.mark.slow
 def test_a_synchronous_save_to_object_storage_as_the_last_thing_a_script_does_is_durable_by_the_exit(tmp_path, s3):
     """The same into S3 (msc://, boto3), with a data file above msc's multipart threshold (64 MiB): boto3 sends
     the parts of such a file from threads of its own, which an exiting interpreter does not start."""
