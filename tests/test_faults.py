@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import pickle
 import resource
@@ -559,8 +560,6 @@ def test_room_reserved_at_the_same_moment_goes_to_exactly_one_copy(small_fs):
     ``COPY_HEADROOM_BYTES`` to spare): an allocation takes its blocks a few at a time, so each can find the
     others' blocks taken; round after round exactly one gets its room whole and the others are refused, naming
     their file, with nothing allocated."""
-    import multiprocessing
-
     _remount(small_fs, "size=200m")
     nbytes = 100 << 20
     ctx = multiprocessing.get_context("fork")  # the children run only files.reserve_room: no threads, no aio

@@ -69,7 +69,6 @@ def _no_room_for(path: str, nbytes: int) -> Optional[str]:
 # finds it taken before allocating. The pauses grow from up to 0.1 s; a few tries (about 0.7 s at most).
 _CONTENDED_TRIES = 4
 _CONTENDED_PAUSE_S = 0.1
-_pause = random.SystemRandom()  # never the same pauses in processes forked from one parent
 
 
 def _allocate(fd: int, path: str, nbytes: int) -> tuple[Optional[str], bool]:
@@ -112,7 +111,7 @@ def reserve_room(fd: int, path: str, nbytes: int, who: str) -> None:
         os.ftruncate(fd, 0)
         if not contended or attempt == _CONTENDED_TRIES - 1:
             raise FastPersistError(f"{who}: {full}")
-        time.sleep(_pause.uniform(0, _CONTENDED_PAUSE_S * 2 ** attempt))
+        time.sleep(random.uniform(0, _CONTENDED_PAUSE_S * 2 ** attempt))  # reseeded in forked children
 
 
 def process_temporary(path: str) -> str:
