@@ -69,7 +69,7 @@ class SeaweedS3:
             end = time.monotonic() + timeout
             while not self._bucket_ready():
                 if self._proc.poll() is not None or time.monotonic() > end:
-                    said = self.log_tail(whole=True)[self._log_start:]
+                    said = self._said_since_launch()
                     if self._proc.poll() is not None and PORT_TAKEN in said and attempt < PORT_TRIES:
                         break
                     raise RuntimeError(f"weed mini did not start (exit {self._proc.poll()}):\n{said[-4000:]}")
@@ -94,8 +94,8 @@ class SeaweedS3:
                 "-s3.port.lance=0", *(f"-{name}={port}" for name, port in self.ports.items())]
         env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
                "S3_BUCKET": BUCKET}
-        self._log_start = len(self.log_tail(whole=True))
         with open(self._log, "ab") as log:
+            self._log_start = log.tell()
             self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.data_dir)
 
     def _bucket_ready(self) -> bool:
@@ -122,13 +122,18 @@ class SeaweedS3:
         self.stop()
         self.start()
 
-    def log_tail(self, whole: bool = False) -> str:
+    def _said_since_launch(self) -> str:
+        """What the last launched server wrote to the log (the log keeps every start's)."""
+        with open(self._log, "rb") as f:
+            f.seek(self._log_start)
+            return f.read().decode(errors="replace")
+
+    def log_tail(self) -> str:
         try:
             with open(self._log, errors="replace") as f:
-                text = f.read()
+                return f.read()[-4000:]
         except OSError:
             return ""
-        return text if whole else text[-4000:]
 
     def msc_config(self, path: str) -> str:
         """Write multi-storage-client's profile file for this server at ``path``: ``msc://s3/...`` URLs are

@@ -18,9 +18,10 @@ import pytest
 from fastpersist_dist import checkpoint_state, compat
 from fastpersist_dist.engine.index_reader import read_index
 from fastpersist_dist.engine.tiers.replicate import CHUNK_WAIT_ENV
+from fastpersist_dist.engine.tiers.state import read_manifest
 from fastpersist_dist.format.kinds import DCP_METADATA_FILE, checkpoint_format
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
-from fastpersist_dist.format.tiers import DURABLE, LOCAL, PENDING_DIR, TIERS_FILE, TierManifest, local_copy_dir
+from fastpersist_dist.format.tiers import DURABLE, LOCAL, PENDING_DIR, TIERS_FILE, local_copy_dir
 from fastpersist_dist.storage.files import TMP_SUFFIX
 from fastpersist_dist.storage.persistent import persistent_dir
 from fastpersist_dist.storage.mounts import small_pages_in_memory
@@ -129,7 +130,7 @@ def test_each_node_keeps_its_share_and_loads_it_from_its_own_copy(cluster):
         assert {TIERS_FILE, INDEX_FILE} <= set(os.listdir(copy)) and len(_data_files(copy)) == 1, os.listdir(copy)
     ckpt = _ckpt(cluster, "s1")
     assert checkpoint_state(ckpt) == "durable" and len(_data_files(ckpt)) == 2
-    manifest = TierManifest.from_json_bytes(Path(ckpt, TIERS_FILE).read_bytes(), ckpt)
+    manifest = read_manifest(persistent_dir(ckpt))
     assert manifest.created <= manifest.reached[DURABLE], manifest  # committed locally first
     assert not os.listdir(os.path.join(ckpt, PENDING_DIR))  # the pending index went with the commit there
     for name in _data_files(ckpt):  # s1 only from the nodes' own copies
