@@ -66,9 +66,18 @@ def _no_room_for(path: str, nbytes: int) -> Optional[str]:
 
 # A copy that loses its room to copies allocating at the same moment (each finds the others' bytes taken)
 # lets go of what it allocated and tries again after a random pause: the first back takes the room, the next
-# finds it taken before allocating. The pauses grow from up to 0.1 s; a few tries (about 0.7 s at most).
-_CONTENDED_TRIES = 4
+# finds it taken before allocating. Two collide again when the second starts while the first still allocates,
+# so a pause is drawn from a window many times what the contended try took here (an allocation of a large copy
+# on a busy machine takes a tenth of a second and more), at least 0.1 s, doubling at each try.
+_CONTENDED_TRIES = 5
 _CONTENDED_PAUSE_S = 0.1
+_CONTENDED_WINDOW_PER_TRY = 8  # the pause window, in multiples of the contended try's own duration
+
+
+def _contended_pause(attempt: int, took: float) -> float:
+    """The random pause before try ``attempt + 1`` after a contended try that took ``took`` seconds."""
+    window = max(_CONTENDED_PAUSE_S, _CONTENDED_WINDOW_PER_TRY * took) * 2 ** attempt
+    return random.uniform(0, window)  # the random module reseeds itself in forked children
 
 
 def _allocate(fd: int, path: str, nbytes: int) -> tuple[Optional[str], bool]:
@@ -101,17 +110,19 @@ def reserve_room(fd: int, path: str, nbytes: int, who: str) -> None:
     overfill it. Allocated up front, a copy that does not fit (or exceeds a quota, which statvfs does not show)
     is refused before it writes. An allocation is not atomic (a filesystem takes the blocks a few at a time), so
     copies allocating at the same moment can each find the others' blocks taken and all be refused where one
-    would fit: each lets go and tries again after a random pause, and the first back takes the room. Where the
+    would fit: each lets go and tries again after a random pause scaled to how long its try took, and the
+    first back takes the room. Where the
     filesystem cannot allocate ahead (NFS before 4.2), the check alone.
     """
     for attempt in range(_CONTENDED_TRIES):
+        began = time.monotonic()
         full, contended = _allocate(fd, path, nbytes)
         if full is None:
             return
         os.ftruncate(fd, 0)
         if not contended or attempt == _CONTENDED_TRIES - 1:
             raise FastPersistError(f"{who}: {full}")
-        time.sleep(random.uniform(0, _CONTENDED_PAUSE_S * 2 ** attempt))  # reseeded in forked children
+        time.sleep(_contended_pause(attempt, time.monotonic() - began))
 
 
 def process_temporary(path: str) -> str:
