@@ -2,14 +2,16 @@
 # The package as users install it: build the wheel and the sdist (python -m build), install the wheel,
 # not editable, into a new venv, and run the README's quickstart there, outside the checkout, with an empty
 # cache for the streaming copy (built at first use) and site-packages left unwritten.
-#   bash scripts/check_wheel.sh            (PYTHON: the interpreter of the new venv; default: Python 3.12)
-# Needs what scripts/setup.sh installs (libaio-dev); pip's cache makes the heavy dependencies quick.
+#   bash scripts/check_wheel.sh   (FASTPERSIST_STACK: the Python and megatron-core of the new venv, as
+#                                  scripts/setup.sh names them, default mcore-0.16; PYTHON: that interpreter)
+# Needs what scripts/setup.sh installs (libaio-dev).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
+stack_versions "${FASTPERSIST_STACK:-mcore-0.16}"
 root=$PWD
-py=$(find_python 3.12)
+py=$(find_python "$PY_VERSION")
 venv=$root/.venv-wheel
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -29,7 +31,7 @@ rm -rf "$venv"
 "$py" -m venv "$venv"
 # torch==2.13.0 first, as scripts/setup.sh does: the wheel's "torch>=2.4" then installs nothing more.
 pip_install "$venv/bin/python" torch==2.13.0
-pip_install "$venv/bin/python" "$wheel" "megatron-core==0.19.2"
+pip_install "$venv/bin/python" "$wheel" "megatron-core==$MCORE"
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 location=$(cd "$out" && "$venv/bin/python" -c 'import fastpersist_dist, os; print(os.path.dirname(fastpersist_dist.__file__))')
 [ "$location" = "$site/fastpersist_dist" ] || { echo "check_wheel: imported $location, not the installed wheel" >&2; exit 1; }

@@ -1,5 +1,16 @@
 # Sourced by scripts/setup.sh, scripts/check_wheel.sh and .ci/run.
 
+# stack_versions STACK: PY_VERSION, MCORE and DEFAULT_VENV of a megatron-core stack (exits 2 on another name).
+stack_versions() {
+    case "$1" in
+        mcore-0.16) PY_VERSION=3.11; MCORE=0.16.1; DEFAULT_VENV=.venv ;;
+        mcore-0.17) PY_VERSION=3.12; MCORE=0.17.1; DEFAULT_VENV=.venv-0.17 ;;
+        mcore-0.18) PY_VERSION=3.12; MCORE=0.18.2; DEFAULT_VENV=.venv-0.18 ;;
+        mcore-0.19) PY_VERSION=3.12; MCORE=0.19.2; DEFAULT_VENV=.venv-0.19 ;;
+        *) echo "FASTPERSIST_STACK must be mcore-0.16, mcore-0.17, mcore-0.18 or mcore-0.19, got '$1'" >&2; exit 2 ;;
+    esac
+}
+
 # find_python VERSION: an interpreter of that Python version: $PYTHON if set, else pythonVERSION on PATH, else
 # pyenv's newest VERSION.x.
 find_python() {

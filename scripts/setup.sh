@@ -7,20 +7,45 @@
 # the venv has no torch; never an unpinned torch), the package with its test extras and the
 # stack's megatron-core, and prebuilds the DeepSpeed ops it uses into <venv>/torch_ext, so the
 # first save does not pay the ~5-minute JIT build. FASTPERSIST_VENV and PYTHON override the defaults.
+# FASTPERSIST_OVERLAY=DIR instead installs only the stack's megatron-core, without dependencies, into DIR: put
+# on PYTHONPATH in front of FASTPERSIST_VENV (set up already, with the stack's Python), it gives that venv's
+# torch, DeepSpeed ops and other packages under another megatron-core, with no copy or rebuild. Refused where
+# that megatron-core would need other packages than the venv has, or where the venv's megatron holds a part
+# DIR lacks (megatron is a namespace package: such a part would come from the venv's release).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STACK="${FASTPERSIST_STACK:-mcore-0.16}"
-case "$STACK" in
-    mcore-0.16) PY_VERSION=3.11; MCORE=0.16.1; DEFAULT_VENV=.venv ;;
-    mcore-0.17) PY_VERSION=3.12; MCORE=0.17.1; DEFAULT_VENV=.venv-0.17 ;;
-    mcore-0.18) PY_VERSION=3.12; MCORE=0.18.2; DEFAULT_VENV=.venv-0.18 ;;
-    mcore-0.19) PY_VERSION=3.12; MCORE=0.19.2; DEFAULT_VENV=.venv-0.19 ;;
-    *) echo "setup: FASTPERSIST_STACK must be mcore-0.16, mcore-0.17, mcore-0.18 or mcore-0.19, got '$STACK'" >&2; exit 2 ;;
-esac
-VENV="${FASTPERSIST_VENV:-$DEFAULT_VENV}"
-
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
+STACK="${FASTPERSIST_STACK:-mcore-0.16}"
+stack_versions "$STACK"
+VENV="${FASTPERSIST_VENV:-$DEFAULT_VENV}"
+
+if [ -n "${FASTPERSIST_OVERLAY:-}" ]; then
+    overlay=$FASTPERSIST_OVERLAY
+    "$VENV/bin/python" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$PY_VERSION'.split('.'))))" ||
+        { echo "setup: FASTPERSIST_OVERLAY needs $VENV set up first, with Python $PY_VERSION" >&2; exit 2; }
+    echo "setup: megatron-core==$MCORE alone into $overlay, in front of $VENV"
+    extra=$("$VENV/bin/python" -m pip install -q --disable-pip-version-check --dry-run --report - \
+        "megatron-core==$MCORE" 2>/dev/null | "$VENV/bin/python" -c 'import json, sys
+print(" ".join(i["metadata"]["name"] + "==" + i["metadata"]["version"] for i in json.load(sys.stdin)["install"]
+               if i["metadata"]["name"] != "megatron-core"))')
+    [ -z "$extra" ] || { echo "setup: megatron-core==$MCORE needs $extra beside $VENV's packages: set up" \
+        "FASTPERSIST_STACK=$STACK in a venv of its own" >&2; exit 1; }
+    rm -rf "$overlay"
+    pip_install "$VENV/bin/python" --no-deps --target "$overlay" "megatron-core==$MCORE"
+    PYTHONPATH="$overlay" "$VENV/bin/python" - "$overlay" "$MCORE" <<'EOF'
+import importlib.metadata, os, sys
+import megatron
+overlay, release = os.path.realpath(sys.argv[1]), sys.argv[2]
+version = importlib.metadata.version("megatron-core")
+assert version == release, f"setup: megatron-core {version} imported with {overlay} in front, not {release}"
+ours = set(os.listdir(os.path.join(overlay, "megatron")))
+for portion in megatron.__path__:
+    lacking = sorted(set(os.listdir(portion)) - ours - {"__pycache__"})
+    assert not lacking, f"setup: {portion} has {lacking}, which {overlay}/megatron lacks"
+EOF
+    exit 0
+fi
 
 apt_install libaio-dev
 
