@@ -168,6 +168,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--write-through", choices=("on", "off"), default="off",
                    help="fastpersist_tiered's TierConfig.write_through: each rank's writer also writes the persistent "
                         "tier's copy, beside the local write")
+    t.add_argument("--share-reads", choices=("auto", "on", "off"), default="auto",
+                   help="ReadConfig.share_reads of fastpersist_tiered's restarts (default auto: bytes several ranks "
+                        "need are read once and sent, except from an in-memory filesystem)")
     t.add_argument("--nodes", type=_positive_int, default=1,
                    help="split the ranks into this many nodes of this machine, each with its own local tier "
                         "(LOCAL_DIR.nodes/node<n> bind-mounted at LOCAL_DIR in a mount namespace per rank; root), "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tiered checkpoints on a machine with a GPU and cores to spare (docs/tiers.md, "Benchmark"), in three parts
+# Tiered checkpoints on a machine with a GPU and cores to spare (docs/tiers.md, "Benchmark"), in four parts
 # that each fit a ten-minute slot:
 #   scripts/gpu_tiers_check.sh write-path DIR   the local tier's write path on /dev/shm against the device
 #                                               bounds, the state in host memory, 1 then 2 ranks (`bench`)
@@ -9,14 +9,18 @@
 #   scripts/gpu_tiers_check.sh switch DIR       time to durable beside loops (scripts/durable_beside_loop.py,
 #                                               tiered, the state in host memory) with the background copies'
 #                                               switch interval left alone, then shortened (the default)
+#   scripts/gpu_tiers_check.sh restart DIR      the restart at TP=1 (each rank needs the whole state) from the
+#                                               local tier on /dev/shm, the state on the GPU: reads unshared there
+#                                               (share_reads auto), then each byte read once and sent (on)
 # Each result also goes to DIR/<part>-*.json. PYTHON (default python3), GIB (default 1) override.
 # WHEELS=DIR first installs what a machine without network lacks from wheels and .deb files in DIR (DeepSpeed,
 # megatron-core and their pure dependencies; Debian's libaio1 and libaio-dev) under /tmp/fp-offline, for
 # this run only: pip --no-index --no-deps --target, dpkg -x, and the variables that point there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: scripts/gpu_tiers_check.sh write-path|durable|switch DIR}
-dir=${2:?usage: scripts/gpu_tiers_check.sh write-path|durable|switch DIR}
+usage="usage: scripts/gpu_tiers_check.sh write-path|durable|switch|restart DIR"
+part=${1:?$usage}
+dir=${2:?$usage}
 py=${PYTHON:-python3}
 gib=${GIB:-1}
 if [ -n "${WHEELS:-}" ]; then
@@ -62,5 +66,13 @@ case "$part" in
                 rm -rf "$dir/durable" /dev/shm/fp-tiers-local
             done
         done ;;
-    *) echo "gpu_tiers_check: unknown part $part (write-path, durable or switch)" >&2; exit 2 ;;
+    restart)
+        for share in auto on; do
+            "$py" -m fastpersist_dist_cli bench-train --ranks 2 --tp 1 --gib "$gib" --steps 12 --every 10 \
+                --compute-ms 150 --reps 3 --contenders none,fastpersist_tiered --dir "$dir/train" \
+                --local-dir /dev/shm/fp-tiers-local --share-reads "$share" --log-level INFO \
+                --json "$dir/restart-$share.json"
+            rm -rf "$dir/train" /dev/shm/fp-tiers-local
+        done ;;
+    *) echo "gpu_tiers_check: unknown part $part (write-path, durable, switch or restart)" >&2; exit 2 ;;
 esac

@@ -198,7 +198,8 @@ def test_bench_train_rejects_bad_arguments(monkeypatch, capsys):
     for name in ("PYTORCH_NVML_BASED_CUDA_CHECK", QUIET_ENV):  # main() sets them for the processes it starts
         monkeypatch.delenv(name, raising=False)
     for args in (["--steps", "3", "--every", "3"], ["--contenders", "none,nope"], ["--compute-ms", "-1"],
-                 ["--contenders", "none,fastpersist_tiered"], ["--nodes", "3", "--local-dir", "/dev/shm/x"]):
+                 ["--contenders", "none,fastpersist_tiered"], ["--nodes", "3", "--local-dir", "/dev/shm/x"],
+                 ["--share-reads", "sometimes"]):
         try:
             code = main(["bench-train", *args])
         except SystemExit as e:  # argparse's own refusals
@@ -212,17 +213,21 @@ def test_bench_train_command_writes_json(tmp_path):
     """The command prints the table and writes the same report as JSON, with the chosen contenders only. Its two
     ranks are two nodes (--nodes 2: a local tier each, in a mount namespace each): the tiered contender also
     reports when its checkpoints' replicas were made and when they became durable on the persistent tier, and a
-    restart from the local tiers; nothing is left behind."""
+    restart from the local tiers, each rank reading all it needs (--share-reads off); nothing is left behind."""
     out, local = tmp_path / "train.json", tmp_path / "local"
     proc = subprocess.run(
         [sys.executable, "-m", "fastpersist_dist_cli", "bench-train", "--gib", "0.02", "--reps", "1", "--steps", "4",
          "--every", "2", "--ranks", "2", "--nodes", "2", "--contenders", "none,fastpersist,fastpersist_tiered",
          "--dir", str(tmp_path / "t"), "--local-dir", str(local), "--persistent", str(tmp_path / "persistent"),
-         "--json", str(out)],
+         "--share-reads", "off", "--log-level", "INFO", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["share_reads"] == "off" and "loads each, share_reads=off)" in proc.stdout, proc.stdout
+    # every rank read all it needed itself: rank 0's loads say nothing read for or received from another rank,
+    # which they do (the small tensors every rank holds whole) where reads are shared
+    assert "fastpersist: rank 0 loaded" in proc.stderr and "read for other ranks" not in proc.stderr, proc.stderr
     rows = {r["name"]: r for r in report["rows"]}
     assert list(rows) == ["none", "fastpersist", "fastpersist_tiered"] and report["save_steps"] == [2]
     assert (report["nodes"], report["replicas"]) == (2, 1)

@@ -88,7 +88,7 @@ def bench_train(args: argparse.Namespace) -> int:
 
     rep = run_checked(_bench_config(args), args.steps, args.every, args.contenders, args.compute_ms,
                       args.local_dir, args.persistent,
-                      args.drain_while_writing == "on", args.nodes, args.write_through == "on")
+                      args.drain_while_writing == "on", args.nodes, args.write_through == "on", args.share_reads)
     if rep is None:
         return 2
     print(format_loop_table(rep))

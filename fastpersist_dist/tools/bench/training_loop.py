@@ -114,6 +114,7 @@ class LoopConfig:
     drain_while_writing: bool = False  # TierConfig's, for tiered contenders
     write_through: bool = False  # TierConfig's, for tiered contenders
     nodes: int = 1  # the ranks split into this many nodes on this machine (nodes.py); with 2+, replicas=1
+    share_reads: str = "auto"  # ReadConfig's, for the restarts of tiered contenders
 
     @property
     def replicas(self) -> int:
@@ -544,8 +545,8 @@ def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict
 
     def load() -> float:
         dropped(local_copy, ckpt)
-        return _over_ranks(_timed(lambda: dist_checkpointing.load(template, ckpt,
-                                                                  sharded_strategy=FastPersistLoadStrategy())))
+        return _over_ranks(_timed(lambda: dist_checkpointing.load(
+            template, ckpt, sharded_strategy=FastPersistLoadStrategy(share_reads=loop.share_reads))))
 
     def read_bound(name: str) -> float:
         where = os.path.join(bound_dir, name)
@@ -781,7 +782,7 @@ def report(cfg: LoopConfig, nbytes: int, runs: dict[str, list[LoopRun]], memory:
     return {"ranks": cfg.bench.ranks, "nodes": cfg.nodes, "replicas": cfg.replicas, "tp": cfg.bench.tp, "bytes": nbytes, "steps": cfg.steps, "every": cfg.every,
             "local_dir": cfg.local_dir, "persistent": cfg.persistent,
             "drain_while_writing": cfg.drain_while_writing and not store,
-            "write_through": cfg.write_through and not store,
+            "write_through": cfg.write_through and not store, "share_reads": cfg.share_reads,
             "compute_ms": cfg.step_compute_ms, "matmuls_per_step": matmuls, "save_steps": cfg.save_steps,
             "reps": cfg.bench.reps, "directory": cfg.bench.directory,
             "filesystems": {path: describe_filesystem(path) for path in (cfg.bench.directory, cfg.local_dir) if path},
@@ -852,7 +853,8 @@ def format_loop_table(rep: dict) -> str:
         if r.get("restart"):
             s = r["restart"]
             lines.append(f"{r['name']}: restart (last repetition's synchronous save, page cache dropped, median of "
-                         f"{rep['reps']} loads each): from the local tier {s['from_local_s']:.2f} s, each rank "
+                         f"{rep['reps']} loads each, share_reads={rep['share_reads']}): from the local tier "
+                         f"{s['from_local_s']:.2f} s, each rank "
                          f"loading {s['loaded_bytes_per_rank'] / GiB:.3f} GiB "
                          f"({s['local_read_bound_s'] / s['from_local_s']:.2f}x the local read bound, "
                          f"{s['local_read_bound_s']:.2f} s, which reads each rank's even share, "
@@ -879,7 +881,7 @@ def _drain_said(rep: dict) -> str:
 def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional[str],
                 compute_ms: Optional[float] = None, local_dir: Optional[str] = None,
                 persistent: Optional[str] = None, drain_while_writing: bool = False, nodes: int = 1,
-                write_through: bool = False) -> Optional[dict]:
+                write_through: bool = False, share_reads: str = "auto") -> Optional[dict]:
     """:func:`run` for ``fastpersist-dist bench-train``: None, after saying why on stderr, on bad arguments."""
     names = tuple(contenders.split(",")) if contenders else DEFAULT_LOOP_CONTENDERS
     unknown = set(names) - set(CHECKPOINTERS)
@@ -905,5 +907,5 @@ def run_checked(bench: BenchConfig, steps: int, every: int, contenders: Optional
               "(megatron-core 0.19)", file=sys.stderr)
         return None
     return run(LoopConfig(bench, steps, every, compute_ms, local_dir, persistent, drain_while_writing, write_through,
-                          nodes), names,
+                          nodes, share_reads), names,
                progress=lambda m: print(m, file=sys.stderr))
