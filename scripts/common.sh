@@ -1,4 +1,5 @@
-# Sourced by scripts/setup.sh, scripts/check_wheel.sh and .ci/run.
+# Sourced by scripts/setup.sh, scripts/check_wheel.sh and .ci/run; a message starts with the name of the script
+# that sourced it.
 
 # stack_versions STACK: PY_VERSION, MCORE and DEFAULT_VENV of a megatron-core stack (exits 2 on another name).
 stack_versions() {
@@ -7,7 +8,7 @@ stack_versions() {
         mcore-0.17) PY_VERSION=3.12; MCORE=0.17.1; DEFAULT_VENV=.venv-0.17 ;;
         mcore-0.18) PY_VERSION=3.12; MCORE=0.18.2; DEFAULT_VENV=.venv-0.18 ;;
         mcore-0.19) PY_VERSION=3.12; MCORE=0.19.2; DEFAULT_VENV=.venv-0.19 ;;
-        *) echo "FASTPERSIST_STACK must be mcore-0.16, mcore-0.17, mcore-0.18 or mcore-0.19, got '$1'" >&2; exit 2 ;;
+        *) echo "$(basename "$0" .sh): FASTPERSIST_STACK must be mcore-0.16, mcore-0.17, mcore-0.18 or mcore-0.19, got '$1'" >&2; exit 2 ;;
     esac
 }
 
@@ -23,7 +24,7 @@ find_python() {
     local found
     found="$(ls -d "$root"/versions/"$version".*/bin/python 2>/dev/null | sort -V | tail -n 1 || true)"
     if [ -n "$found" ]; then echo "$found"; return; fi
-    echo "no Python $version found (python$version on PATH or under pyenv)" >&2
+    echo "$(basename "$0" .sh): no Python $version found (python$version on PATH or under pyenv)" >&2
     return 2
 }
 
