@@ -211,6 +211,23 @@ def test_forked_writer_does_not_deadlock_after_parallel_work(tmp_path):
     run_ranks(2, _parallel_work_then_async_save, str(tmp_path), deadline=240)
 
 
+def _from_a_directory_with_another_checkout(rank: int, world: int, root: str) -> None:
+    # A checkout of another version in the working directory (here one that cannot be imported): the writer
+    # process, started from there, still runs this package.
+    decoy = os.path.join(root, "cwd", "fastpersist_dist")
+    os.makedirs(decoy, exist_ok=True)
+    with open(os.path.join(decoy, "__init__.py"), "w") as f:
+        f.write("raise ImportError('a checkout of another version')\n")
+    os.chdir(os.path.dirname(decoy))
+    sd, before, _, queue = start_first_save(rank, world, f"{root}/c")
+    assert queue.maybe_finalize(blocking=True) == [1]
+    load_and_compare(sd, before, f"{root}/c")
+
+
+def test_the_writer_runs_the_trainer_s_package_whatever_the_working_directory_holds(tmp_path):
+    run_ranks(2, _from_a_directory_with_another_checkout, str(tmp_path))
+
+
 def _same_directory_twice(rank: int, world: int, root: str) -> str:
     sd, before, strategy, queue = start_first_save(rank, world, f"{root}/c")
     mutate(sd, 0)

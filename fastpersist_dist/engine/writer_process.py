@@ -285,8 +285,10 @@ def _exit_description(code: Optional[int]) -> str:
 
 
 # The writer's interpreter imports this module like any other: run as ``-m`` it would exist twice
-# (runpy warns, on stderr of every writer, that the package import had already loaded it).
-_BOOT = "import sys; from fastpersist_dist.engine.writer_process import main; main(sys.argv[1:])"
+# (runpy warns, on stderr of every writer, that the package import had already loaded it). ``-c`` puts the
+# working directory first on the import path: dropped, so that a checkout of another version there cannot
+# stand in for the trainer's package (``_child_env`` puts that first).
+_BOOT = "import sys; del sys.path[0]; from fastpersist_dist.engine.writer_process import main; main(sys.argv[1:])"
 
 # This process's writer client (a forked child gets its own: the parent's writer is not its child).
 writer_client = PerProcess(WriterClient).get
