@@ -40,11 +40,13 @@ from fastpersist_dist import (
     TierConfig,
     checkpoint_state,
     wait_copies,
+    wait_durable,
 )
 from fastpersist_dist.engine.directory import prepare_checkpoint_dir
 from fastpersist_dist.engine.writer_process import writer_client
 from fastpersist_dist.format.index_pages import part_file_name
 from fastpersist_dist.format.records import INDEX_FILE, data_file_name, is_data_file, status_file_name
+from fastpersist_dist.format.tiers import local_copy_dir
 from fastpersist_dist.storage.deepspeed_ops import aio_module, ensure_fast_file_writer_usable
 from fastpersist_dist.storage.files import TMP_SUFFIX, reserve_room, written_through_name
 from fastpersist_dist.storage.writer import confirm_on_disk, prepare_direct_writes, write_rank_file
@@ -251,8 +253,8 @@ def _writer_killed_writing_through(rank: int, world: int, root: str) -> tuple[Ra
         while not os.path.exists(copy) or not os.path.getsize(copy):
             time.sleep(0.001)
         os.kill(writer, signal.SIGSTOP)
-        assert not os.path.exists(written_through_name(f"{ckpt}/{data_file_name(rank)}")), \
-            "the writer finished before it could be stopped mid-write"
+        assert not os.path.exists(f"{local_copy_dir(f'{root}/local', ckpt)}/{status_file_name(rank)}"), \
+            "the writer finished the local file before it could be stopped mid-write"
         os.kill(writer, signal.SIGKILL)
     error = save_error(lambda: queue.maybe_finalize(blocking=True))
     wait_copies()
@@ -448,6 +450,49 @@ def test_disk_full_at_commit_commits_nothing(small_fs):
         assert "No space left on device" in e.message, e
     assert _files(f"{small_fs}/new") == [], "no index, no temp file, no data files"
     run_ranks(1, _load_and_verify, f"{small_fs}/prev", "s", SMALL, 1)
+
+
+def _writer_killed_after_the_local_file(rank: int, world: int, local: str, root: str) -> tuple[bool, list[str], str]:
+    # The copy's bounce buffer of 1 MiB, single: each of its O_DIRECT writes waits for the disk, so the copy to
+    # the disk runs well behind the buffered write into memory.
+    strategy = native_strategy(tiers=TierConfig(local, write_through=True), io_buffer_mb=1, double_buffer=False)
+    queue, ckpt = AsyncSaveQueue(), f"{root}/new"
+    warnings = logged("fastpersist_dist.engine.writer_process", logging.WARNING)
+    make_dir(ckpt)
+    state = _sd("w", HUGE, rank, world, 5)
+    queue.schedule(dist_checkpointing.save(state, ckpt, sharded_strategy=strategy, async_sharded_save=True,
+                                           **ASYNC_KW))
+    if rank == 1:  # SIGKILL the writer once its local file is written, while it writes its copy
+        writer = writer_client().pid
+        status = f"{local_copy_dir(local, ckpt)}/{status_file_name(rank)}"
+        while not os.path.exists(status):
+            time.sleep(0.001)
+        os.kill(writer, signal.SIGSTOP)
+        assert not os.path.exists(written_through_name(f"{ckpt}/{data_file_name(rank)}")), \
+            "the writer finished its copy before it could be stopped"
+        os.kill(writer, signal.SIGKILL)
+    queue.maybe_finalize(blocking=True)
+    durable = wait_durable(ckpt, timeout=120)
+    wait_copies()
+    dist.barrier()
+    _load_and_verify(rank, world, ckpt, "w", HUGE, 5)
+    queue.close()
+    return durable, sorted(os.listdir(ckpt)), " | ".join(r.getMessage() for r in warnings)
+
+
+def test_async_writer_killed_after_its_local_file_loses_only_its_write_through_copy(shm_dir, tmp_path):
+    """Written through, the local file's status is left before the copy to the persistent directory is done; rank
+    1's writer dies between the two: the save commits on every rank all the same, rank 1's drain copies its
+    file from the local tier instead (removing what the dead writer left), and the checkpoint becomes durable
+    and loads."""
+    outcomes = run_faulty(2, _writer_killed_after_the_local_file, shm_dir, str(tmp_path))
+    for rank, o in outcomes.items():
+        assert o.kind == "ok", o.value
+        durable, left, warnings = o.value
+        assert durable, rank
+        assert not [n for n in left if n.endswith(TMP_SUFFIX)] and data_file_name(1) in left, left
+    warnings = outcomes[1].value[2]
+    assert "died after writing" in warnings and "the drain copies the file instead" in warnings, warnings
 
 
 def _persistent_tier_full(rank: int, world: int, fs: str, local: str, write_through: bool, shape: tuple) -> dict:

@@ -19,10 +19,13 @@ one connection per message, a message being a length-prefixed pickle:
   of the write-through copies, unless they exist, then answer ``("pong",
   None)`` (the writer is ready);
 * ``("job", WriterJob)``: write the file, leave the status (as any writer does,
-  see status.py) and answer ``("done", None)``. The caller (the request's
-  ``async_fn``, in whatever process megatron's or our queue runs it) waits for
-  that answer; if the connection breaks instead, the writer died, and the
-  caller leaves a failure status naming the file, so finalize fails on every rank.
+  see status.py) and answer ``("written", None)``; then finish the job's
+  write-through copy, if any, and answer ``("done", None)``. The caller (the
+  request's ``async_fn``, in whatever process megatron's or our queue runs it)
+  waits for both answers; if the connection breaks before "written", the
+  writer died, and the caller leaves a failure status naming the file, so
+  finalize fails on every rank. After "written" the status is left and good:
+  a writer that dies then loses only its copy, which the drain makes instead.
 
 The writer dies with the trainer (``PR_SET_PDEATHSIG``, armed by the writer
 itself for the thread that started it: schedule saves from a long-lived thread)
@@ -42,7 +45,8 @@ import struct
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -125,8 +129,9 @@ def _recv_exact(sock: socket.socket, n: int, start: bytes = b"") -> bytes:
 
 
 def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
-    """One message and the descriptors attached to it; ``ConnectionError`` on EOF."""
-    first, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+    """One message and the descriptors attached to it; ``ConnectionError`` on EOF. Reads no byte past it: a
+    job's two answers may arrive together."""
+    first, fds, _, _ = socket.recv_fds(sock, _LEN.size, 4)
     if not first:
         raise ConnectionError("connection closed")
     head = _recv_exact(sock, _LEN.size, first) if len(first) < _LEN.size else first
@@ -155,13 +160,22 @@ def write_in_writer(address: str, writer_pid: int, job: WriterJob) -> None:
     reports on every rank.
     """
     path = os.path.join(job.checkpoint_dir, job.data_file)
+    written = False
     try:
         with _connect(address) as sock:
             _send(sock, ("job", job))
             reply, _ = _recv(sock)
+            written = reply[0] == "written"
+            if written:
+                reply, _ = _recv(sock)
         if reply[0] != "done":
             raise FastPersistError(str(reply[1]))
     except (OSError, EOFError, pickle.UnpicklingError, FastPersistError) as e:
+        if written:  # its status is left, and good: only the write-through copy is lost
+            logger.warning("fastpersist: rank %d: the writer process (pid %d) died after writing %s, before its "
+                           "write-through copy to %s was done (%s: %s); the drain copies the file instead", job.rank,
+                           writer_pid, path, job.copy_to, type(e).__name__, e)
+            return
         cause = e if isinstance(e, FastPersistError) else FastPersistError(
             f"rank {job.rank}: the writer process (pid {writer_pid}) of {path} died before it finished "
             f"({type(e).__name__}: {e}); was it killed (e.g. by the OOM killer), or stopped as the trainer exited "
@@ -310,7 +324,7 @@ class _Writer:
             elif message[0] == "drop":
                 self._maps.pop(message[1], None)
             elif message[0] == "job":
-                _send(conn, self._write(message[1]))
+                _send(conn, self._write(message[1], partial(_tell_written, conn)))
             elif message[0] == "ping":
                 if message[1] is not None:
                     prepare_direct_writes(message[1], message[2])
@@ -322,13 +336,13 @@ class _Writer:
                 os.close(fd)
         return True
 
-    def _write(self, job: WriterJob) -> tuple[str, Optional[str]]:
+    def _write(self, job: WriterJob, reported: Callable[[], None]) -> tuple[str, Optional[str]]:
         try:
             items = [WriteItem(s.record, self._bytes(s), s.prefix, s.suffix) for s in job.items]
         except KeyError as e:
             return "error", f"rank {job.rank}: the writer of {job.data_file} has no snapshot buffer {e}"
         write_and_report(job.checkpoint_dir, items, job.config, job.rank, job.data_file, job.reuse_from,
-                         job.copy_to)
+                         job.copy_to, reported)
         return "done", None
 
     def _bytes(self, spec: ItemSpec) -> torch.Tensor:
@@ -337,6 +351,14 @@ class _Writer:
                 return torch.empty(0, dtype=torch.uint8)
             return torch.frombuffer(bytearray(spec.inline), dtype=torch.uint8)
         return self._maps[spec.buffer][1][spec.offset : spec.offset + spec.nbytes]
+
+
+def _tell_written(conn: socket.socket) -> None:
+    """Tell the caller the job's status is left (a caller gone meanwhile is told nothing: the job goes on)."""
+    try:
+        _send(conn, ("written", None))
+    except OSError as e:
+        logger.warning("fastpersist: writer: the caller of a job is gone: %s", e)
 
 
 def _peer_uid(conn: socket.socket) -> int:

@@ -16,10 +16,11 @@ host as the write reaches them, a bounded number of bytes ahead
 (``HOST_COPY_BYTES``), not all before it starts, into a block of host memory
 that the process keeps for its next write (storage/host_staging.py).
 
-A tiered save's write-through copy (``copy_to``) gets the same bytes in
-lockstep with the file, through a second aio handle and bounce buffer, so that
-the persistent tier is written at its own bandwidth while the local tier is:
-the local write ends with the slower of the two.
+A tiered save's write-through copy (``copy_to``) gets the same bytes on a
+thread of its own, through a second aio handle and bounce buffer, so that the
+persistent tier is written at its own bandwidth while the local tier is written
+at its own: the file is done (and its status can be left) when the local tier
+is, and the copy follows at the slower tier's pace.
 
 Because a failed aio write can leave a file of the right size with wrong bytes
 (a hole, a stale bounce-buffer half), a few checksum blocks are read back from
@@ -33,6 +34,7 @@ import errno
 import fcntl
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -137,21 +139,24 @@ class _BufferedSink:
             self._file.close()
 
 
-class _Tee:
-    """A rank's file and its write-through copy, handed the same bytes in lockstep: the copy first, so that its
-    aio write runs while the file gets the bytes.
+class _ThroughCopy:
+    """A tiered save's write-through copy of a rank's file: the same bytes, written on a thread of its own
+    through a second aio handle and bounce buffer, at the persistent tier's pace.
 
-    The copy is made before the file and holds an exclusive ``flock`` until it
-    is put where the drain takes it or removed (or its writer dies): a drain
-    that gives the save up waits on that lock before it removes what is there.
-    It never fails the write: its first error drops it (its file removed, the
-    cause logged), and the drain copies the file instead.
+    The file does not wait for it: the local tier is written at its own speed,
+    and the caller leaves the rank's status (and so the local commit may run)
+    while the copy goes on; :meth:`finish` then waits for it. It is made
+    before the file and holds an exclusive ``flock`` until it is put where the
+    drain takes it or removed (or its writer dies): the drain waits on that
+    lock for the copy, and a drain that gives the save up waits on it before
+    it removes what is there. It never fails the write: its first error drops
+    it (its file removed, the cause logged), and the drain copies the file
+    instead.
     """
 
     def __init__(self, copy_to: str, nbytes: int, cfg: WriteConfig, rank: int):
         self.tmp, self._done_as, self._rank = process_temporary(copy_to), written_through_name(copy_to), rank
         self.done = ""  # where the copy is once written and checked (:meth:`finish`)
-        self.mode = ""  # the file's sink's (:meth:`beside`)
         unlink_quietly(self._done_as)  # an earlier save's, never taken: the drain takes what is there after this write
         unlink_quietly(self.tmp)  # FastFileWriter opens without O_TRUNC
         self._lock = os.open(self.tmp, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -164,42 +169,42 @@ class _Tee:
             _remove_partial(self.tmp)
             raise
         self._copy_open = True
-        self._sink: Optional[_Sink] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._failed = ""  # why the thread's write failed
 
-    def beside(self, sink: _Sink) -> "_Tee":
-        """The tee of ``sink`` (the rank's file, opened after the copy) and the copy."""
-        self._sink, self.mode = sink, sink.mode
-        return self
+    def start(self, items: list[WriteItem], chunk: int) -> None:
+        """Write ``items`` (contiguous host bytes: an async save's snapshot) into the copy, on its own thread."""
+        if any(needs_host_copy(item.data) for item in items):
+            raise ValueError("a write-through copy is written from host bytes (an async save's snapshot)")
+        self._thread = threading.Thread(target=self._write, args=(items, chunk), name="fastpersist-through",
+                                        daemon=True)
+        self._thread.start()
 
-    @property
-    def copied(self) -> bool:
-        """Whether the copy is still written (not dropped)."""
-        return bool(self.tmp)
-
-    def write(self, data: torch.Tensor) -> None:
-        assert self._sink is not None
-        if self.tmp:
-            try:
-                self._copy.write(data)
-            except Exception as e:  # noqa: BLE001 - the copy is optional; the file is what the save needs
-                self.drop(f"writing it failed: {type(e).__name__}: {e}")
-        self._sink.write(data)
-
-    def close(self) -> None:
-        assert self._sink is not None
+    def _write(self, items: list[WriteItem], chunk: int) -> None:
         try:
-            self._sink.close()
-        finally:
-            if self.tmp:
-                try:
-                    self._copy_open = False
-                    self._copy.close()
-                except Exception as e:  # noqa: BLE001 - as in write
-                    self.drop(f"flushing it failed: {type(e).__name__}: {e}")
+            for item in items:
+                for piece in _pieces(item, tensor_bytes(item.data), chunk):
+                    if self._stop.is_set():
+                        return
+                    self._copy.write(piece)
+            self._copy_open = False
+            self._copy.close()
+        except Exception as e:  # noqa: BLE001 - the copy is optional; the file is what the save needs
+            self._failed = f"writing it failed: {type(e).__name__}: {e}"
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
     def finish(self, records: list[ShardRecord], expected: int, block: int, cfg: WriteConfig) -> int:
-        """Once the file is written and checked: check the copy alike and put it where the drain takes it
-        (``files.written_through_name``), or drop it; the bytes read back."""
+        """Once the file is written and checked: wait for the copy, check it alike and put it where the drain
+        takes it (``files.written_through_name``), or drop it; the bytes read back."""
+        self._join()
+        if self._failed:
+            self.drop(self._failed)
+            return 0
         try:
             checked = _check_written(self.tmp, records, expected, "write-through", block, self._rank, cfg)
             os.replace(self.tmp, self._done_as)
@@ -218,14 +223,16 @@ class _Tee:
         self.discard()
 
     def discard(self) -> None:
-        """The copy closed and removed (no-op once gone)."""
+        """The copy stopped, closed and removed (no-op once gone)."""
         if not self.tmp:
             return
+        self._stop.set()
+        self._join()
         if self._copy_open:
             self._copy_open = False
             try:
                 self._copy.close()
-            except Exception:  # noqa: BLE001 - already failed: its file goes anyway
+            except Exception:  # noqa: BLE001 - already failed or given up: its file goes anyway
                 logger.debug("fastpersist: closing %s after it failed also failed", self.tmp, exc_info=True)
         _remove_partial(self.tmp)
         self.tmp = ""
@@ -473,6 +480,7 @@ def write_rank_file(
     rank: int,
     reuse_from: Optional[str] = None,
     copy_to: Optional[str] = None,
+    written: Optional[Callable[[WriteResult], None]] = None,
 ) -> WriteResult:
     """Write ``items`` (records placed by the planner, back to back) to ``path`` durably.
 
@@ -482,54 +490,67 @@ def write_rank_file(
     left by a failed write is removed. ``reuse_from``: a pool of retired files
     (``storage/recycle.py``) of which one is overwritten where the write is
     buffered (tmpfs), instead of a new file. ``copy_to``: a tiered save's
-    write-through copy to the persistent tier, the same bytes written beside
-    the file and checked alike, left at ``written_through_name(copy_to)`` for
-    the drain to put in place; a copy that fails is removed, logged, and the
-    write goes on.
+    write-through copy to the persistent tier (items in host memory), the same
+    bytes written beside the file on a thread of its own and checked alike,
+    left at ``written_through_name(copy_to)`` for the drain to put in place; a
+    copy that fails is removed, logged, and the write goes on. ``written``:
+    called with the result as soon as the file is written and checked, before
+    this waits for the copy (the caller leaves its status there: the local
+    commit need not wait for the persistent tier); it must not raise.
     """
     start_time = time.perf_counter()
     block = cfg.checksum_block_bytes
     chunk = max(block, 64 * MiB // block * block)
     expected = sum(item.record.length for item in items)
-    tee = None if copy_to is None else _tee(copy_to, expected, cfg, rank)  # before the file is there (see _Tee)
+    through = None if copy_to is None else _through(copy_to, expected, cfg, rank)  # before the file (_ThroughCopy)
     try:
         if os.path.lexists(path):
             os.unlink(path)  # FastFileWriter opens without O_TRUNC: old bytes would survive.
         reused = reuse_from is not None and _buffered_by_choice(os.path.dirname(path) or ".", cfg) and take(
             reuse_from, path)
         sink = _open_sink(path, cfg)
+        if through is not None:
+            through.start(items, chunk)
     except BaseException as e:
         _remove_partial(path)
-        if tee is not None:
-            tee.discard()
+        if through is not None:
+            through.discard()
         if isinstance(e, OSError):
             raise FastPersistError(f"rank {rank}: cannot open {path} for writing: {e}") from e
         raise
     phases = Phases()
     try:
-        out = _stream(path, sink if tee is None else tee.beside(sink), items, block, chunk, rank, phases)
+        out = _stream(path, sink, items, block, chunk, rank, phases)
         checked = _check_written(path, out, expected, sink.mode, block, rank, cfg)
-        if tee is not None and tee.copied:
-            checked += tee.finish(out, expected, block, cfg)
         phases.mark(f"size check, read back {checked / MiB:.0f} MiB")
     except BaseException:
         _remove_partial(path)
-        if tee is not None:
-            tee.discard()
+        if through is not None:
+            through.discard()
         raise
-    seconds = time.perf_counter() - start_time
+    result = WriteResult(out, expected, time.perf_counter() - start_time, sink.mode)
     logger.debug(
-        "fastpersist: rank %d wrote %.3f GiB to %s%s in %.2f s (%.2f GiB/s, %s%s): %s",
-        rank, expected / 2**30, path, f" and to {tee.done}" if tee is not None and tee.done else "", seconds,
-        expected / 2**30 / max(seconds, 1e-9), sink.mode, ", over a retired file" if reused else "", phases,
+        "fastpersist: rank %d wrote %.3f GiB to %s in %.2f s (%.2f GiB/s, %s%s): %s", rank, expected / 2**30, path,
+        result.seconds, expected / 2**30 / max(result.seconds, 1e-9), sink.mode,
+        ", over a retired file" if reused else "", phases,
     )
-    return WriteResult(out, expected, seconds, sink.mode)
+    try:
+        if written is not None:
+            written(result)
+    finally:
+        if through is not None:
+            checked = through.finish(out, expected, block, cfg)
+            if through.done:
+                seconds = time.perf_counter() - start_time
+                logger.debug("fastpersist: rank %d wrote %s through in %.2f s (%.2f GiB/s), read back %.0f MiB",
+                             rank, through.done, seconds, expected / 2**30 / max(seconds, 1e-9), checked / MiB)
+    return result
 
 
-def _tee(copy_to: str, nbytes: int, cfg: WriteConfig, rank: int) -> Optional[_Tee]:
+def _through(copy_to: str, nbytes: int, cfg: WriteConfig, rank: int) -> Optional[_ThroughCopy]:
     """A write-through copy of ``nbytes`` to ``copy_to`` opened, or None (logged) where it cannot be."""
     try:
-        return _Tee(copy_to, nbytes, cfg, rank)
+        return _ThroughCopy(copy_to, nbytes, cfg, rank)
     except Exception as e:  # noqa: BLE001 - the copy is optional; the write goes on without it
         logger.warning("fastpersist: rank %d: no write-through copy to %s (%s: %s); the file is copied from the "
                        "local tier instead", rank, copy_to, type(e).__name__, e)

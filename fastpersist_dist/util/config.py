@@ -194,13 +194,14 @@ class TierConfig:
         three to four times as much per checkpoint with it;
         docs/tiers.md#benchmark).
     write_through: an async save's writer writes each data file into a
-        persistent directory too, from the same snapshot and in lockstep with
-        the local write (its own aio handle and bounce buffer), checked as the
-        local file is; the drain puts it in place after the local commit.
-        Durable at about the persistent tier's bandwidth, but the local write,
-        and so the local commit, ends no sooner than the persistent one (off
-        by default; an object store's files are copied by the drain either
-        way; not with ``drain_while_writing``).
+        persistent directory too, from the same snapshot, on a thread of its
+        own beside the local write (its own aio handle and bounce buffer:
+        ``io_buffer_mb`` more locked memory per writer), checked as the local
+        file is; the drain puts it in place after the local commit. Durable at
+        about the persistent tier's bandwidth from the call, while the local
+        commit waits for the local write only (off by default; an object
+        store's files are copied by the drain either way; not with
+        ``drain_while_writing``).
     """
 
     local_dir: str

@@ -232,12 +232,15 @@ class _Written:
 
 
 def _written_through(written: _Written, size: int, final: str, who: str) -> Optional[WrittenThrough]:
-    """The writer's write-through copy of the data file (``size`` bytes), once the writer is done; None where it
-    made none (the writer logged why: the file is then copied)."""
+    """The writer's write-through copy of the data file (``size`` bytes), once the writer has written the file
+    and then let the copy go; None where it made none or dropped it (the writer logged why: the file is then
+    copied)."""
     written.wait(size)
+    _let_go(final)  # the writer leaves its status with the local file, and finishes the copy after it
     through = written_through_name(final)
     if not os.path.exists(through):
         logger.debug("fastpersist: %s: no write-through copy %s; copying %s instead", who, through, written.path)
+        _remove_written_through(final)  # what a writer that died during its copy left
         return None
     return WrittenThrough(through, final)
 
@@ -246,6 +249,12 @@ def _remove_written_through(final: str) -> None:
     """Remove the write-through copies of ``final``, under way or written, each once its writer has let it go
     (``storage/writer.py`` holds a lock on it while it writes; the lock goes with a writer that dies). The writer
     made its copy before the local file the drain found, so it is there to be found."""
+    _let_go(final, unlink_quietly)
+
+
+def _let_go(final: str, then: Optional[Callable[[str], None]] = None) -> None:
+    """Wait until every writer has let its write-through copy of ``final`` go (put it where the drain takes it,
+    dropped it, or died), calling ``then`` with each copy's name while its lock is held."""
     seen: set[str] = set()  # one that cannot be removed is not looked at again
     while names := set(glob.glob(f"{glob.escape(final)}.*{TMP_SUFFIX}")) - seen:
         seen |= names
@@ -256,7 +265,8 @@ def _remove_written_through(final: str) -> None:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                unlink_quietly(name)
+                if then is not None:
+                    then(name)
             finally:
                 os.close(fd)
 
