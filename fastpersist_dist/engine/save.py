@@ -15,14 +15,12 @@ into the request type of their megatron-core.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +32,7 @@ from ..storage import host_copy
 from ..storage.writer import WriteItem, preload_ops
 from ..util.config import WriteConfig
 from ..util.errors import FastPersistError, SaveFailedError
+from ..util.gc_pause import gc_paused
 from ..util.per_process import PerProcess
 from ..util.timing import Phases
 from .agreement import Failed, before_writing, failure
@@ -77,17 +76,6 @@ def _log_plan(plan: list[list], reused: bool, ranks: Optional[list[int]]) -> Non
         "reused" if reused else "made", "" if ranks is None else f" for ranks {ranks}", sum(map(len, plan)),
         per_rank, max(per_rank) / mean if mean else 1.0,
     )
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _items(staged: list[StagedShard], fmt: CheckpointFormat, rank: int,
@@ -227,7 +215,7 @@ class SaveEngine:
         of a process (docs/async.md); done at start-up, that call copies only.
         """
         rank = dist.get_rank()
-        with _gc_paused():
+        with gc_paused():
             staged, error = self._stage(sharded_state_dict, rank)
             out = self._outgoing([s.record for s in staged])
             staged = assign(staged, self._plan(out, error, "cannot reserve a snapshot"), rank)
@@ -247,7 +235,7 @@ class SaveEngine:
         """
         # A full garbage collection over a trainer's heap, triggered by the many small
         # objects of the metadata exchange, would take a large part of a blocking save.
-        with _gc_paused():
+        with gc_paused():
             return self._prepare(sharded_state_dict, str(checkpoint_dir), snapshot, aux_files or {}, refusal, tier)
 
     def _prepare(self, sharded_state_dict: dict, persistent: str, snapshot: bool, aux_files: dict[str, bytes],

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ...format.tiers import TierManifest
 from ...util.errors import SaveFailedError
+from ...util.gc_pause import gc_paused
 from ...util.per_process import PerProcess
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ def await_writers_and_commit(job: LocalCommit) -> None:
     """The rounds, then the commit (see the module); its outcome in ``job.result``."""
     try:
         _wait_for_writers(job)
-        job.result.set_result(job.commit())
+        with gc_paused():  # a full collection of the trainer's heap here would hold the commit back
+            job.result.set_result(job.commit())
     except BaseException as e:  # noqa: BLE001 - raised at finalize, on every rank alike
         logger.debug("fastpersist: rank %d: the local commit of %s failed: %s", job.rank, job.checkpoint_dir, e)
         if job.committed is not None:  # where the commit was not reached, the drain learns it here
