@@ -235,29 +235,44 @@ class MscDir(PersistentDir):
         way (S3 takes up to 5 GiB in one PUT)."""
         start = time.perf_counter()
         if self._uploads_paths or pools_refuse_work():
-            check_file(src, spans, size, who)
-            if self._uploads_paths:
-                self._call("uploading to", name, self._client.upload_file, self._key(name), src)
-            else:
-                logger.debug("%s: the process exits: %s goes to %s in one PUT", who, src, self.where(name))
-                self._put_mapped(name, src, size)
-            try:
-                check_file(src, spans, size, who)
-            except CorruptCheckpointError:
-                try:
-                    self.remove(name)
-                except FastPersistError as e:  # the drain fails either way: no index will name the object
-                    logger.warning("%s: cannot remove %s, uploaded from a damaged file (%s): the next save into "
-                                   "%s replaces or removes it", who, self.where(name), e, self.url)
-                raise
+            self._put_whole(name, src, spans, size, who)
         else:
-            with CheckedFile(src, spans, size, who) as f:
-                self._call("uploading to", name, self._client.upload_file, self._key(name), f)
+            try:
+                with CheckedFile(src, spans, size, who) as f:
+                    self._call("uploading to", name, self._client.upload_file, self._key(name), f)
+            except CorruptCheckpointError:  # a damaged block: never sent again
+                raise
+            except FastPersistError:
+                if not pools_refuse_work():
+                    raise
+                # The process began to exit during the upload, and boto3's pool refused the next part.
+                logger.debug("%s: the process exits: %s goes to %s again, in one PUT", who, src, self.where(name))
+                self._put_whole(name, src, spans, size, who)
         stored = self._call("checking", name, self._client.info, self._key(name)).content_length
         if stored != size:
             raise FastPersistError(f"{who}: {self.where(name)} holds {stored} bytes after its upload, {src} has "
                                    f"{size}")
         return time.perf_counter() - start
+
+    def _put_whole(self, name: str, src: str, spans: list[Span], size: int, who: str) -> None:
+        """``src`` sent whole, not read through a :class:`CheckedFile`: by msc's Rust client from its path, or in
+        one PUT from a mapping of it; checked whole before and after, the object removed where the check after
+        fails."""
+        check_file(src, spans, size, who)
+        if self._uploads_paths:
+            self._call("uploading to", name, self._client.upload_file, self._key(name), src)
+        else:
+            logger.debug("%s: the process exits: %s goes to %s in one PUT", who, src, self.where(name))
+            self._put_mapped(name, src, size)
+        try:
+            check_file(src, spans, size, who)
+        except CorruptCheckpointError:
+            try:
+                self.remove(name)
+            except FastPersistError as e:  # the drain fails either way: no index will name the object
+                logger.warning("%s: cannot remove %s, uploaded from a damaged file (%s): the next save into "
+                               "%s replaces or removes it", who, self.where(name), e, self.url)
+            raise
 
     def _put_mapped(self, name: str, src: str, size: int) -> None:
         """``src`` (``size`` bytes) to ``name`` in one PUT, read by the client from a read-only mapping of it."""
