@@ -6,36 +6,26 @@ framework's objects): on the 2-core development VM one such collection took
 0.48 s, on the local commit's thread beside training, which held that commit, and
 so the checkpoint's durability, back by as much. Paused, the collection runs at
 the next allocation after the step instead, where it would have run soon anyway.
-The pause is process-wide and counted, since the trainer's thread and the
-background commits may pause at once: the collector comes back when the last
-one ends, and only if it was on when the first began.
+The pause is process-wide and held while any thread is inside (``while_inside.py``),
+since the trainer's thread and the background commits may pause at once: the
+collector comes back when the last one ends, and only if it was on when the first
+began.
 """
 
 from __future__ import annotations
 
 import gc
-import threading
-from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Optional
 
-_lock = threading.Lock()
-_active = 0
-_was_enabled = False
+from .while_inside import WhileInside
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection within the block (nor in another thread meanwhile)."""
-    global _active, _was_enabled
-    with _lock:
-        if _active == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0 and _was_enabled:
-                gc.enable()
+def _pause() -> Optional[Callable[[], None]]:
+    if not gc.isenabled():  # the program turned it off: it stays off
+        return None
+    gc.disable()
+    return gc.enable
+
+
+gc_paused = WhileInside(_pause)
+"""``with gc_paused():`` no cyclic garbage collection within the block (nor in another thread meanwhile)."""

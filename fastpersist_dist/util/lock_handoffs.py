@@ -22,16 +22,12 @@ from __future__ import annotations
 import math
 import os
 import sys
-import threading
-from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Optional
+
+from .while_inside import WhileInside
 
 BACKGROUND_SWITCH_S = 0.0005
 SWITCH_ENV = "FASTPERSIST_BACKGROUND_SWITCH_S"
-
-_lock = threading.Lock()
-_active = 0  # threads inside prompt_lock_handoffs()
-_changed: Optional[tuple[float, float]] = None  # (the interval found, the one set) by the first of them
 
 
 def wanted_interval() -> float:
@@ -47,24 +43,22 @@ def wanted_interval() -> float:
     return want
 
 
-@contextmanager
-def prompt_lock_handoffs() -> Iterator[None]:
-    """Within the block (and any other thread's), a thread busy in Python hands the interpreter lock on within
-    the switch interval wanted (:func:`wanted_interval`) to a thread of ours waiting for it."""
-    global _active, _changed
-    with _lock:
-        want = wanted_interval()
-        if _active == 0 and want and sys.getswitchinterval() > want:
-            _changed = (sys.getswitchinterval(), want)
-            sys.setswitchinterval(want)
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0 and _changed is not None:
-                found, made = _changed
-                if math.isclose(sys.getswitchinterval(), made):  # nobody else set it meanwhile
-                    sys.setswitchinterval(found)
-                _changed = None
+def _shorten() -> Optional[Callable[[], None]]:
+    """The switch interval set to the one wanted where that is shorter; how to give the one found back, unless
+    something else changed it meanwhile."""
+    want, found = wanted_interval(), sys.getswitchinterval()
+    if not want or found <= want:
+        return None
+    sys.setswitchinterval(want)
+
+    def restore() -> None:
+        if math.isclose(sys.getswitchinterval(), want):  # nobody else set it meanwhile
+            sys.setswitchinterval(found)
+
+    return restore
+
+
+prompt_lock_handoffs = WhileInside(_shorten)
+"""``with prompt_lock_handoffs():`` within the block (and any other thread's), a thread busy in Python hands the
+interpreter lock on within the switch interval wanted (:func:`wanted_interval`) to a thread of ours waiting for
+it."""
