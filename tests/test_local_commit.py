@@ -1,7 +1,7 @@
 """An async tiered save's local commit, made beside training once every rank's writer is done: before the
 training loop's next finalize, off the trainer's thread, within planning groups as without, and not held behind an
-earlier request that was never scheduled. (A write that fails fails the commit on every rank:
-``tests/test_faults.py``, a writer killed while it writes through.)
+earlier request that was never scheduled, nor behind an earlier save's write-through copy. (A write that fails
+fails the commit on every rank: ``tests/test_faults.py``, a writer killed while it writes through.)
 """
 
 from __future__ import annotations
@@ -9,19 +9,24 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
+import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from fastpersist_dist import FastPersistLoadStrategy, TierConfig, checkpoint_state, wait_durable
+from fastpersist_dist import FastPersistLoadStrategy, TierConfig, checkpoint_state, wait_copies, wait_durable
 from fastpersist_dist.engine.async_queue import AsyncSaveQueue
 from fastpersist_dist.engine.writer_process import writer_client
 from fastpersist_dist.format.index_pages import PART_FILE_RE, part_file_name
+from fastpersist_dist.format.records import data_file_name, status_file_name
+from fastpersist_dist.format.tiers import local_copy_dir
+from fastpersist_dist.storage.files import TMP_SUFFIX, written_through_name
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.tools.verify import verify_checkpoint
 
-from .helpers import logged, native_strategy
+from .helpers import ASYNC_KW, assert_same, global_tensor, load, logged, make_dir, native_strategy, sharded
 from .states import async_save, async_state, check_loaded, dp_group, load_and_compare, mutate, snapshot, \
     template, tp_dp_state
 
@@ -130,3 +135,56 @@ def test_finalizing_a_committed_save_leaves_the_next_ones_commit_waiting_for_its
     would run before its writers left their statuses and fail."""
     outcomes = run_ranks(2, _finalized_while_the_next_one_writes, str(tmp_path))
     assert outcomes == [{"finalized": [1, 2], "b while its writer was stopped": None}] * 2, outcomes
+
+
+def _taken_while_an_earlier_copy_is_written(rank: int, world: int, local: str, root: str) -> dict:
+    """Save A (256 MiB per rank) written through, its copy to the disk slow (a single bounce buffer of 1 MiB: each
+    O_DIRECT write waits for the disk); on rank 1 the writer is stopped once A's local file is there and its copy
+    is not, and save B handed to it before it goes on."""
+    records = logged("fastpersist_dist.engine.writer_process", logging.INFO)
+    strategy = native_strategy(tiers=TierConfig(local, write_through=True), io_buffer_mb=1, double_buffer=False)
+    queue, saves = AsyncSaveQueue(), {"a": (f"{root}/a", (16384, 8192)), "b": (f"{root}/b", (64, 256))}
+    states = {k: {k: sharded(k, global_tensor(k, shape), rank, world, 0)} for k, (_, shape) in saves.items()}
+    for path, _ in saves.values():
+        make_dir(path)
+    dist.barrier()
+    a, b = saves["a"][0], saves["b"][0]
+    queue.schedule(dist_checkpointing.save(states["a"], a, sharded_strategy=strategy, async_sharded_save=True,
+                                           **ASYNC_KW))
+    a_copy_pending = None
+    if rank == 1:
+        writer = writer_client().pid
+        while not os.path.exists(f"{local_copy_dir(local, a)}/{status_file_name(rank)}"):
+            time.sleep(0.001)
+        os.kill(writer, signal.SIGSTOP)
+        a_copy_pending = not os.path.exists(written_through_name(f"{a}/{data_file_name(rank)}"))
+        threading.Timer(0.5, os.kill, (writer, signal.SIGCONT)).start()  # B's job reaches it meanwhile
+    queue.schedule(dist_checkpointing.save(states["b"], b, sharded_strategy=strategy, async_sharded_save=True,
+                                           **ASYNC_KW))
+    queue.maybe_finalize(blocking=True)
+    durable = [wait_durable(path, timeout=DEADLINE_S) for path, _ in saves.values()]
+    wait_copies()
+    dist.barrier()
+    for key, (path, shape) in saves.items():
+        want = global_tensor(key, shape)
+        assert_same(load({key: sharded(key, want.clone().zero_(), rank, world, None)}, path)[key], want, path)
+        assert verify_checkpoint(path).ok, path
+    queue.close()
+    return {"a copy pending": a_copy_pending, "durable": durable, "left": [os.listdir(p) for p, _ in saves.values()],
+            "said": [r.getMessage() for r in records if r.levelno >= logging.INFO]}
+
+
+def test_a_save_handed_over_while_an_earlier_one_is_written_through_commits_without_waiting_for_that_copy(
+        shm_dir, tmp_path):
+    """Rank 1's writer takes save B as soon as A's local file is written, while A's write-through copy goes on,
+    and makes no copy of B (its drain copies B's file from the local tier): the local commit of each save waits
+    for its local files only, not for the persistent tier's copies of the saves before it (with a persistent tier
+    slower than the saves come, they would queue behind the copies). Both checkpoints become durable and load."""
+    outcomes = run_ranks(2, _taken_while_an_earlier_copy_is_written, shm_dir, str(tmp_path))
+    assert outcomes[1]["a copy pending"], "rank 1's writer finished its copy before it could be stopped"
+    for o in outcomes:
+        assert o["durable"] == [True, True], o
+        assert not [n for left in o["left"] for n in left if n.endswith(TMP_SUFFIX)], o["left"]
+    said = " | ".join(outcomes[1]["said"])
+    assert f"{data_file_name(1)} is not written through" in said and "still writing an earlier save's copy" in said \
+        and "the drain copies it from the local tier" in said, said

@@ -19,18 +19,25 @@ one connection per message, a message being a length-prefixed pickle:
   of the write-through copies, unless they exist, then answer ``("pong",
   None)`` (the writer is ready);
 * ``("job", WriterJob)``: write the file, leave the status (as any writer does,
-  see status.py) and answer ``("written", None)``; then finish the job's
+  see status.py) and answer ``("written", why)``; then finish the job's
   write-through copy, if any, and answer ``("done", None)``. The caller (the
   request's ``async_fn``, in whatever process megatron's or our queue runs it)
   waits for both answers; if the connection breaks before "written", the
   writer died, and the caller leaves a failure status naming the file, so
   finalize fails on every rank. After "written" the status is left and good:
   a writer that dies then loses only its copy, which the drain makes instead.
+  ``why`` says why a job asking for a write-through copy got none, else None.
 
 The writer dies with the trainer (``PR_SET_PDEATHSIG``, armed by the writer
 itself for the thread that started it: schedule saves from a long-lived thread)
 and is started again by the next save if it died. Jobs are written one after
-the other, in the order their ``async_fn`` connected.
+the other, in the order their ``async_fn`` connected; the next one is taken
+once a job's file is written, while its write-through copy goes on (at the
+persistent tier's pace, on a thread of its own). A job taken while an earlier
+job's copy is still under way makes none (its drain copies the file from the
+local tier): with a persistent tier slower than the saves come, each save's
+local write would otherwise queue behind the copies before it, and the local
+commit with it.
 """
 
 from __future__ import annotations
@@ -44,13 +51,14 @@ import socket
 import struct
 import subprocess
 import sys
-from dataclasses import dataclass
-from functools import partial
+import threading
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..format.records import ShardRecord
+from ..storage.files import unlink_quietly, written_through_name
 from ..storage.shared_memory import SharedBuffer, map_fd
 from ..storage.writer import WriteItem, preload_ops, prepare_direct_writes
 from ..util.config import WriteConfig
@@ -167,6 +175,9 @@ def write_in_writer(address: str, writer_pid: int, job: WriterJob) -> None:
             reply, _ = _recv(sock)
             written = reply[0] == "written"
             if written:
+                if reply[1]:
+                    logger.info("fastpersist: rank %d: %s is not written through to %s (%s); the drain copies it from "
+                                "the local tier", job.rank, path, job.copy_to, reply[1])
                 reply, _ = _recv(sock)
         if reply[0] != "done":
             raise FastPersistError(str(reply[1]))
@@ -314,27 +325,75 @@ writer_client = PerProcess(WriterClient).get
 class _Writer:
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._copying: Optional[tuple[threading.Thread, str]] = None  # a job writing its copy, and the copy's path
+        self._last: Optional[threading.Thread] = None  # the latest job's (answering "done" after its file)
 
     def handle(self, conn: socket.socket) -> bool:
-        """Serve one request; False once told to stop."""
-        message, fds = _recv(conn)
+        """Serve one request, closing ``conn`` once it is answered (a job's once its copy is done too, on the job's
+        thread); False once told to stop."""
+        kept = False
         try:
-            if message[0] == "buffer":
-                self._maps[message[1]] = map_fd(fds[0], message[2])
-            elif message[0] == "drop":
-                self._maps.pop(message[1], None)
-            elif message[0] == "job":
-                _send(conn, self._write(message[1], partial(_tell_written, conn)))
-            elif message[0] == "ping":
-                if message[1] is not None:
-                    prepare_direct_writes(message[1], message[2])
-                _send(conn, ("pong", None))
-            elif message[0] == "stop":
-                return False
+            message, fds = _recv(conn)
+            try:
+                if message[0] == "buffer":
+                    self._maps[message[1]] = map_fd(fds[0], message[2])
+                elif message[0] == "drop":
+                    self._maps.pop(message[1], None)
+                elif message[0] == "job":
+                    self._take(conn, message[1])
+                    kept = True
+                elif message[0] == "ping":
+                    if message[1] is not None:
+                        prepare_direct_writes(message[1], message[2])
+                    _send(conn, ("pong", None))
+                elif message[0] == "stop":
+                    self._finish_jobs()
+                    return False
+            finally:
+                for fd in fds:
+                    os.close(fd)
         finally:
-            for fd in fds:
-                os.close(fd)
+            if not kept:
+                conn.close()
         return True
+
+    def _finish_jobs(self) -> None:
+        """Wait until the jobs taken have answered "done" (a write-through copy under way finished)."""
+        for thread in (self._copying[0] if self._copying else None, self._last):
+            if thread is not None:
+                thread.join()
+
+    def _take(self, conn: socket.socket, job: WriterJob) -> None:
+        """Run ``job`` on a thread of its own that answers on ``conn``; return once its file is written (or it
+        failed), the copy, if any, going on there."""
+        why = None
+        if job.copy_to is not None and self._copying is not None and self._copying[0].is_alive():
+            why = f"the writer was still writing an earlier save's copy, {self._copying[1]}"
+            unlink_quietly(written_through_name(job.copy_to))  # an earlier save's, never taken, as a copy does
+            job = replace(job, copy_to=None)
+        written = threading.Event()
+        thread = threading.Thread(target=self._run, args=(conn, job, why, written), name="fastpersist-job",
+                                  daemon=True)
+        thread.start()
+        written.wait()
+        self._last = thread
+        if job.copy_to is not None:
+            self._copying = (thread, job.copy_to)
+
+    def _run(self, conn: socket.socket, job: WriterJob, why: Optional[str], written: threading.Event) -> None:
+        def tell() -> None:
+            _tell_written(conn, why)
+            written.set()
+
+        try:
+            _send(conn, self._write(job, tell))
+        except OSError as e:
+            logger.warning("fastpersist: writer: the caller of the job of %s is gone: %s", job.data_file, e)
+        except Exception:  # noqa: BLE001 - after its status: the copy is lost (the drain makes it), not the writer
+            logger.exception("fastpersist: writer: the job of %s failed after its file was written", job.data_file)
+        finally:
+            written.set()
+            conn.close()
 
     def _write(self, job: WriterJob, reported: Callable[[], None]) -> tuple[str, Optional[str]]:
         try:
@@ -353,10 +412,11 @@ class _Writer:
         return self._maps[spec.buffer][1][spec.offset : spec.offset + spec.nbytes]
 
 
-def _tell_written(conn: socket.socket) -> None:
-    """Tell the caller the job's status is left (a caller gone meanwhile is told nothing: the job goes on)."""
+def _tell_written(conn: socket.socket, why: Optional[str]) -> None:
+    """Tell the caller the job's status is left, and ``why`` it makes no write-through copy if it asked for one
+    (a caller gone meanwhile is told nothing: the job goes on)."""
     try:
-        _send(conn, ("written", None))
+        _send(conn, ("written", why))
     except OSError as e:
         logger.warning("fastpersist: writer: the caller of a job is gone: %s", e)
 
@@ -382,12 +442,12 @@ def main(argv: list[str]) -> None:
     uid = os.getuid()
     while True:
         conn, _ = listener.accept()
-        with conn:
-            if _peer_uid(conn) != uid:
-                logger.warning("fastpersist: writer refused a connection from uid %d", _peer_uid(conn))
-                continue
-            try:
-                if not writer.handle(conn):
-                    return
-            except (OSError, EOFError, pickle.UnpicklingError) as e:  # that caller is gone; serve the next
-                logger.warning("fastpersist: writer: a request failed: %s", e)
+        if _peer_uid(conn) != uid:
+            logger.warning("fastpersist: writer refused a connection from uid %d", _peer_uid(conn))
+            conn.close()
+            continue
+        try:
+            if not writer.handle(conn):
+                return
+        except (OSError, EOFError, pickle.UnpicklingError) as e:  # that caller is gone; serve the next
+            logger.warning("fastpersist: writer: a request failed: %s", e)

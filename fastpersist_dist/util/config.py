@@ -199,7 +199,10 @@ class TierConfig:
         ``io_buffer_mb`` more locked memory per writer), checked as the local
         file is; the drain puts it in place after the local commit. Durable at
         about the persistent tier's bandwidth from the call, while the local
-        commit waits for the local write only (off by default; an object
+        commit waits for the local write only; a save that comes while an
+        earlier one's copy is under way is copied by the drain instead, so
+        that its local write never waits for the persistent tier (off by
+        default; an object
         store's files are copied by the drain either way; not with
         ``drain_while_writing``).
     """
