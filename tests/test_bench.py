@@ -211,13 +211,16 @@ def test_bench_train_rejects_bad_arguments(monkeypatch, capsys):
 @pytest.mark.slow
 def test_bench_train_command_writes_json(tmp_path):
     """The command prints the table and writes the same report as JSON, with the chosen contenders only. Its two
-    ranks are two nodes (--nodes 2: a local tier each, in a mount namespace each): the tiered contender also
-    reports when its checkpoints' replicas were made and when they became durable on the persistent tier, and a
-    restart from the local tiers, each rank reading all it needs (--share-reads off); nothing is left behind."""
+    ranks are two nodes (--nodes 2: a local tier each, in a mount namespace each) at TP=1: the tiered contender
+    also reports when its checkpoints' replicas were made and when they became durable on the persistent tier, and
+    a restart from the local tiers, each rank reading all it needs (--share-reads off: its own files and its replicas
+    of the other node's), beside the read bounds of its even share and of the two shares it loads; nothing is left
+    behind."""
     out, local = tmp_path / "train.json", tmp_path / "local"
     proc = subprocess.run(
         [sys.executable, "-m", "fastpersist_dist_cli", "bench-train", "--gib", "0.02", "--reps", "1", "--steps", "4",
-         "--every", "2", "--ranks", "2", "--nodes", "2", "--contenders", "none,fastpersist,fastpersist_tiered",
+         "--every", "2", "--ranks", "2", "--tp", "1", "--nodes", "2",
+         "--contenders", "none,fastpersist,fastpersist_tiered",
          "--dir", str(tmp_path / "t"), "--local-dir", str(local), "--persistent", str(tmp_path / "persistent"),
          "--share-reads", "off", "--log-level", "INFO", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
@@ -234,13 +237,16 @@ def test_bench_train_command_writes_json(tmp_path):
     tiered = rows["fastpersist_tiered"]
     # durable is the time its manifest records, the local commit and the replicas what the loop sees at a step
     assert tiered["persisted_s"] > 0 and tiered["replicated_s"] >= tiered["durable_s"] > 0, tiered
-    assert all(tiered["restart"][k] > 0 for k in ("from_local_s", "from_persistent_s", "local_read_bound_s",
-                                                  "local_checksummed_read_bound_s"))
-    # TP=2 (the default) x DP=1: each rank loads its half of the state and the small tensors every rank holds whole
     restart = tiered["restart"]
-    extra = restart["loaded_bytes_per_rank"] - restart["bound_bytes_per_rank"]
-    assert 0 < extra < 0.01 * restart["bound_bytes_per_rank"], restart
+    assert all(restart[k] > 0 for k in ("from_local_s", "from_persistent_s", "local_read_bound_s",
+                                        "local_checksummed_read_bound_s", "local_checksummed_read_bound_loaded_s"))
+    # TP=1 x DP=2: each rank loads the whole state, two even shares (an odd byte count splits unevenly)
+    assert restart["local_checksummed_read_bound_dp"] == 2, restart
+    assert abs(restart["loaded_bytes_per_rank"] - 2 * restart["bound_bytes_per_rank"]) <= 2, restart
     assert f"each rank loading {restart['loaded_bytes_per_rank'] / 2**30:.3f} GiB" in proc.stdout, proc.stdout
+    loaded_bound = restart["local_checksummed_read_bound_loaded_s"]
+    assert (f"that one reading its share 2 times over, {loaded_bound:.2f} s: the bytes each rank loads at DP=2"
+            in proc.stdout), proc.stdout
     assert "fastpersist_tiered: local commit" in proc.stdout and "from the persistent tier" in proc.stdout
     assert "s after it (as its manifest records)" in proc.stdout, proc.stdout
     assert "on 2 nodes of this machine (replicas=1)" in proc.stdout and ", replicated (each node's" in proc.stdout

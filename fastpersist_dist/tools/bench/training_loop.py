@@ -525,12 +525,16 @@ def _prepare(ckpt: str) -> None:
         prepare_checkpoint_dir(ckpt)
 
 
-def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict[str, float]:
+def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict[str, Optional[float]]:
     """Collective: seconds to load ``ckpt`` from the local tier, then (its local copy removed) from the
     persistent tier, and the device bound's reads of each rank's even share of the state from the local tier
     (``bound_dir``), plain and checksummed (every byte hashed, as a load must): medians of ``reps`` loads each
     (slowest rank), the local loads alternating with the bounds' reads; and the bytes per rank of each (the
-    most of any rank)."""
+    most of any rank). With data-parallel ranks (DP > 1) each rank loads DP even shares (a tensor-parallel
+    slice of the whole state), so the checksummed bound also reads its share DP times over: the bytes the
+    load brings each rank, at the device's pace, which tells how much of the gap to the even share is the
+    load's own cost and how much is the bytes (reading each byte once and sending it between ranks instead
+    is ``share_reads``' business, over the group's transport)."""
     assert loop.local_dir is not None
     template = {k: _blank(v) for k, v in sd.items()}
     local_copy = local_copy_dir(os.path.abspath(loop.local_dir), ckpt)
@@ -548,10 +552,11 @@ def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict
         return _over_ranks(_timed(lambda: dist_checkpointing.load(
             template, ckpt, sharded_strategy=FastPersistLoadStrategy(share_reads=loop.share_reads))))
 
-    def read_bound(name: str) -> float:
+    def read_bound(name: str, passes: int = 1) -> float:
         where = os.path.join(bound_dir, name)
         dropped(where)
-        return _over_ranks(_timed(lambda: bounds[name].load(template, where, loop.bench.write)))
+        return _over_ranks(_timed(lambda: [bounds[name].load(template, where, loop.bench.write)
+                                           for _ in range(passes)]))
 
     if _node_leader(loop):
         shutil.rmtree(bound_dir, ignore_errors=True)
@@ -560,12 +565,16 @@ def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict
     dist.barrier()
     for name, bound in bounds.items():
         bound.save(sd, os.path.join(bound_dir, name), loop.bench.write)
+    dp = loop.bench.ranks // loop.bench.tp
     from_local: list[float] = []
     bound_s: dict[str, list[float]] = {name: [] for name in bounds}
+    loaded_bound_s: list[float] = []  # the checksummed bound over the bytes each rank loads (DP > 1)
     for _ in range(loop.bench.reps):
         from_local.append(load())
         for name in bounds:
             bound_s[name].append(read_bound(name))
+        if dp > 1:
+            loaded_bound_s.append(read_bound(CHECKSUMMED_BOUND, dp))
     if _node_leader(loop):
         shutil.rmtree(bound_dir, ignore_errors=True)
 
@@ -580,6 +589,8 @@ def restart_times(loop: LoopConfig, sd: dict, ckpt: str, bound_dir: str) -> dict
     return {"from_local_s": statistics.median(from_local), "from_persistent_s": statistics.median(from_persistent),
             "local_read_bound_s": statistics.median(bound_s[DEVICE_BOUND]),
             "local_checksummed_read_bound_s": statistics.median(bound_s[CHECKSUMMED_BOUND]),
+            "local_checksummed_read_bound_dp": dp,
+            "local_checksummed_read_bound_loaded_s": statistics.median(loaded_bound_s) if loaded_bound_s else None,
             "loaded_bytes_per_rank": _over_ranks(loaded), "bound_bytes_per_rank": _over_ranks(even_share(sd))}
 
 
@@ -860,8 +871,8 @@ def format_loop_table(rep: dict) -> str:
                          f"{s['local_read_bound_s']:.2f} s, which reads each rank's even share, "
                          f"{s['bound_bytes_per_rank'] / GiB:.3f} GiB; "
                          f"{s['local_checksummed_read_bound_s'] / s['from_local_s']:.2f}x the checksummed one, "
-                         f"{s['local_checksummed_read_bound_s']:.2f} s), from the persistent tier "
-                         f"{s['from_persistent_s']:.2f} s")
+                         f"{s['local_checksummed_read_bound_s']:.2f} s{_loaded_bound_said(s)}), from the "
+                         f"persistent tier {s['from_persistent_s']:.2f} s")
     if rep.get("copy_floor_s") is not None:
         shares = ", ".join(f"{r['name']} {r['copy_floor_pct']:.0f}%" for r in rep["rows"] if "copy_floor_pct" in r)
         lines.append(f"copy floor: {rep['copy_floor_s']:.3f} s for every rank to copy its snapshot's "
@@ -869,6 +880,16 @@ def format_loop_table(rep: dict) -> str:
                      f"can block); of the sync save: {shares}")
     lines.extend(f"note: {n}" for n in rep["notes"])
     return "\n".join(lines)
+
+
+def _loaded_bound_said(restart: dict) -> str:
+    """The restart's ratio to the checksummed bound reading as many bytes as the load brings each rank (DP > 1)."""
+    seconds = restart.get("local_checksummed_read_bound_loaded_s")
+    if seconds is None:
+        return ""
+    dp = restart["local_checksummed_read_bound_dp"]
+    return (f"; {seconds / restart['from_local_s']:.2f}x that one reading its share {dp} times over, "
+            f"{seconds:.2f} s: the bytes each rank loads at DP={dp}")
 
 
 def _drain_said(rep: dict) -> str:
