@@ -1,14 +1,11 @@
 #!/usr/bin/env bash
-# Tiered checkpoints on a machine with a GPU and cores to spare (docs/tiers.md, "Benchmark"), in four parts
+# Tiered checkpoints on a machine with a GPU and cores to spare (docs/tiers.md, "Benchmark"), in three parts
 # that each fit a ten-minute slot:
 #   scripts/gpu_tiers_check.sh write-path DIR   the local tier's write path on /dev/shm against the device
 #                                               bounds, the state in host memory, 1 then 2 ranks (`bench`)
 #   scripts/gpu_tiers_check.sh durable DIR      the training loop with tiered checkpoints, the state on the GPU:
 #                                               write_through off, on, then on at TP=2 (`bench-train`), the
 #                                               persistent tier DIR (put it on the disk to measure)
-#   scripts/gpu_tiers_check.sh switch DIR       time to durable beside loops (scripts/durable_beside_loop.py,
-#                                               tiered, the state in host memory) with the background copies'
-#                                               switch interval left alone, then shortened (the default)
 #   scripts/gpu_tiers_check.sh restart DIR      the restart at TP=1 (each rank needs the whole state) from the
 #                                               local tier on /dev/shm, the state on the GPU: reads unshared there
 #                                               (share_reads auto), then each byte read once and sent (on)
@@ -18,7 +15,7 @@
 # this run only: pip --no-index --no-deps --target, dpkg -x, and the variables that point there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: scripts/gpu_tiers_check.sh write-path|durable|switch|restart DIR"
+usage="usage: scripts/gpu_tiers_check.sh write-path|durable|restart DIR"
 part=${1:?$usage}
 dir=${2:?$usage}
 py=${PYTHON:-python3}
@@ -55,17 +52,6 @@ case "$part" in
                 --json "$dir/durable-${run%:*}-tp${run#*:}.json"
             rm -rf "$dir/train" /dev/shm/fp-tiers-local
         done ;;
-    switch)
-        for interval in 0 default; do
-            echo "gpu_tiers_check: FASTPERSIST_BACKGROUND_SWITCH_S=$interval"
-            if [ "$interval" = default ]; then unset FASTPERSIST_BACKGROUND_SWITCH_S
-            else export FASTPERSIST_BACKGROUND_SWITCH_S=$interval; fi
-            for run in 1 2; do
-                CUDA_VISIBLE_DEVICES= "$py" scripts/durable_beside_loop.py --dir "$dir/durable" --gib "$gib" --reps 3 \
-                    --local-dir /dev/shm/fp-tiers-local
-                rm -rf "$dir/durable" /dev/shm/fp-tiers-local
-            done
-        done ;;
     restart)
         for share in auto on; do
             "$py" -m fastpersist_dist_cli bench-train --ranks 2 --tp 1 --gib "$gib" --steps 12 --every 10 \
@@ -74,5 +60,5 @@ case "$part" in
                 --json "$dir/restart-$share.json"
             rm -rf "$dir/train" /dev/shm/fp-tiers-local
         done ;;
-    *) echo "gpu_tiers_check: unknown part $part (write-path, durable, switch or restart)" >&2; exit 2 ;;
+    *) echo "gpu_tiers_check: unknown part $part (write-path, durable or restart)" >&2; exit 2 ;;
 esac

@@ -32,7 +32,6 @@ from ..storage import host_copy
 from ..storage.writer import WriteItem, preload_ops
 from ..util.config import WriteConfig
 from ..util.errors import FastPersistError, SaveFailedError
-from ..util.gc_pause import gc_paused
 from ..util.per_process import PerProcess
 from ..util.timing import Phases
 from .agreement import Failed, before_writing, failure
@@ -215,11 +214,10 @@ class SaveEngine:
         of a process (docs/async.md); done at start-up, that call copies only.
         """
         rank = dist.get_rank()
-        with gc_paused():
-            staged, error = self._stage(sharded_state_dict, rank)
-            out = self._outgoing([s.record for s in staged])
-            staged = assign(staged, self._plan(out, error, "cannot reserve a snapshot"), rank)
-            _process_wide().pool.reserve(staged)
+        staged, error = self._stage(sharded_state_dict, rank)
+        out = self._outgoing([s.record for s in staged])
+        staged = assign(staged, self._plan(out, error, "cannot reserve a snapshot"), rank)
+        _process_wide().pool.reserve(staged)
 
     def prepare(self, sharded_state_dict: dict, checkpoint_dir: str, snapshot: bool,
                 aux_files: Optional[dict[str, bytes]] = None, refusal: Optional[str] = None,
@@ -233,13 +231,7 @@ class SaveEngine:
         writes into its node's copy, committed there, then moved to
         ``checkpoint_dir`` in the background.
         """
-        # A full garbage collection over a trainer's heap, triggered by the many small
-        # objects of the metadata exchange, would take a large part of a blocking save.
-        with gc_paused():
-            return self._prepare(sharded_state_dict, str(checkpoint_dir), snapshot, aux_files or {}, refusal, tier)
-
-    def _prepare(self, sharded_state_dict: dict, persistent: str, snapshot: bool, aux_files: dict[str, bytes],
-                 refusal: Optional[str], tier: Optional[TieredSave]) -> SaveJob:
+        persistent, aux_files = str(checkpoint_dir), aux_files or {}
         rank = dist.get_rank()
         ckpt = tier.local if tier is not None else persistent
         reuse_from = None if tier is None else tier.recycled  # retired files the write overwrites one of

@@ -37,6 +37,16 @@ def write_status(checkpoint_dir: str, rank: int, result: Optional[WriteResult], 
         logger.exception("fastpersist: rank %d could not write its status file in %s", rank, checkpoint_dir)
 
 
+def left_good_status(checkpoint_dir: str, rank: int) -> bool:
+    """Whether this rank's writer left a good status in ``checkpoint_dir`` (a save's directory holds no stale
+    status: it is cleared before the writers start), e.g. before it died without saying so to the trainer."""
+    try:
+        with open(os.path.join(checkpoint_dir, status_file_name(rank)), "rb") as f:
+            return json.loads(f.read()).get("ok") is True
+    except (OSError, ValueError):
+        return False
+
+
 def write_and_report(checkpoint_dir: str, items: list[WriteItem], config: WriteConfig, rank: int,
                      data_file: str, reuse_from: Optional[str] = None, copy_to: Optional[str] = None,
                      reported: Optional[Callable[[], None]] = None) -> None:

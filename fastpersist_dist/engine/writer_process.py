@@ -22,10 +22,12 @@ one connection per message, a message being a length-prefixed pickle:
   see status.py) and answer ``("written", why)``; then finish the job's
   write-through copy, if any, and answer ``("done", None)``. The caller (the
   request's ``async_fn``, in whatever process megatron's or our queue runs it)
-  waits for both answers; if the connection breaks before "written", the
-  writer died, and the caller leaves a failure status naming the file, so
-  finalize fails on every rank. After "written" the status is left and good:
-  a writer that dies then loses only its copy, which the drain makes instead.
+  waits for both answers; if the connection breaks before the writer left a
+  good status (the caller reads it: the answer "written" may be lost with a
+  writer killed right after the status), the writer died, and the caller
+  leaves a failure status naming the file, so finalize fails on every rank.
+  After its good status, a writer that dies loses only its write-through copy,
+  which the drain makes instead.
   ``why`` says why a job asking for a write-through copy got none, else None.
 
 The writer dies with the trainer (``PR_SET_PDEATHSIG``, armed by the writer
@@ -65,7 +67,7 @@ from ..util.config import WriteConfig
 from ..util.errors import FastPersistError
 from ..util.per_process import PerProcess
 from ..util.roles import WRITER_ENV
-from .status import write_and_report, write_status
+from .status import left_good_status, write_and_report, write_status
 
 logger = logging.getLogger(__name__)
 
@@ -182,10 +184,14 @@ def write_in_writer(address: str, writer_pid: int, job: WriterJob) -> None:
         if reply[0] != "done":
             raise FastPersistError(str(reply[1]))
     except (OSError, EOFError, pickle.UnpicklingError, FastPersistError) as e:
+        # A writer that dies after leaving its good status, before its answer reached us, wrote the file all the
+        # same: its status stands, whichever side of the kill its answer was.
+        written = written or (isinstance(e, (OSError, EOFError)) and left_good_status(job.checkpoint_dir, job.rank))
         if written:  # its status is left, and good: only the write-through copy is lost
-            logger.warning("fastpersist: rank %d: the writer process (pid %d) died after writing %s, before its "
-                           "write-through copy to %s was done (%s: %s); the drain copies the file instead", job.rank,
-                           writer_pid, path, job.copy_to, type(e).__name__, e)
+            lost = (f"; its write-through copy to {job.copy_to} was not done: the drain copies the file instead"
+                    if job.copy_to else "")
+            logger.warning("fastpersist: rank %d: the writer process (pid %d) died after writing %s and leaving its "
+                           "status (%s: %s)%s", job.rank, writer_pid, path, type(e).__name__, e, lost)
             return
         cause = e if isinstance(e, FastPersistError) else FastPersistError(
             f"rank {job.rank}: the writer process (pid {writer_pid}) of {path} died before it finished "

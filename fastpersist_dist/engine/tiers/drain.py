@@ -46,7 +46,6 @@ from ...storage.copy import PendingCopy, Span, WrittenThrough, block_layout, blo
 from ...storage.files import TMP_SUFFIX, unlink_quietly, written_through_name
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
-from ...util.lock_handoffs import prompt_lock_handoffs
 from ..index_reader import read_index
 from .state import advance, drained_marker, failed_copies, mark_failed, pending_dir, poll_pauses, superseded
 
@@ -101,8 +100,7 @@ def drain(job: Drain) -> None:
     """This rank's part of ``job`` (see the module)."""
     who = f"rank {job.rank} ({job.node})"
     home = persistent_dir(job.checkpoint_dir)
-    with prompt_lock_handoffs():
-        early = _follow(job, home, who)
+    early = _follow(job, home, who)
     try:
         m = job.committed.result()
     except Exception as e:  # noqa: BLE001 - the save failed: its finalize reported it on every rank
@@ -112,8 +110,7 @@ def drain(job: Drain) -> None:
         return
     start = time.perf_counter()
     try:
-        with prompt_lock_handoffs():
-            _copy(job, m, home, early, who, start)
+        _copy(job, m, home, early, who, start)
     finally:
         if early is not None:
             early.abandon()  # unless it was committed

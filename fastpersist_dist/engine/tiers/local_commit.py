@@ -5,17 +5,18 @@ end (megatron's queues look once per step), and a step can take seconds: a
 local commit made there would hold the replicas and the persistent tier's
 commit back by up to a step, and run the commit's collectives and file writes
 on the trainer's thread. So each rank queues its part of the commit on a
-thread of its own (``background.py``'s committer). Every ``POLL_S`` the ranks'
-committers join a round: an all-reduce, over a gloo group of their own
-(:func:`commit_group`), of whether each rank's write is over (its writer left
-its status file, or finalize says so) and whether a rank gives the save up
-(its process exits). The rounds end on every rank alike: once every write is
+thread of its own (``background.py``'s committer). Each rank's committer
+waits for its own writer (a look for its status file every ``POLL_S``, on the
+node itself, or finalize saying the write is over), then the ranks agree in
+one all-reduce, over a gloo group of their own (:func:`commit_group`), of
+whether every rank's write is over and whether a rank gives the save up (its
+process exits): one collective per save whatever the world size, its wait
+bounded by the group's timeout (torch's default for gloo, 30 minutes: writers
+of one save end seconds apart on node-local storage). Once every write is
 over, every rank runs the commit (``TieredSave.commit``, its collectives over
 that group); where a rank gives up first, nothing is committed and every
-rank's finalize raises. Rounds rather than one collective that waits for the
-slowest writer: ranks whose writes end far apart never reach the group's
-timeout. The save's finalize waits for the commit's outcome and raises its
-error.
+rank's finalize raises. The save's finalize waits for the commit's outcome
+and raises its error.
 """
 
 from __future__ import annotations
@@ -33,12 +34,11 @@ import torch.distributed as dist
 
 from ...format.tiers import TierManifest
 from ...util.errors import SaveFailedError
-from ...util.gc_pause import gc_paused
 from ...util.per_process import PerProcess
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.01  # how often the ranks' committers agree on whether every writer is done
+POLL_S = 0.01  # how often a rank's committer looks for its own writer's status file
 
 _groups: PerProcess[dict[int, dist.ProcessGroup]] = PerProcess(dict)
 
@@ -73,11 +73,10 @@ class LocalCommit:
 
 
 def await_writers_and_commit(job: LocalCommit) -> None:
-    """The rounds, then the commit (see the module); its outcome in ``job.result``."""
+    """The wait for every writer, then the commit (see the module); its outcome in ``job.result``."""
     try:
         _wait_for_writers(job)
-        with gc_paused():  # a full collection of the trainer's heap here would hold the commit back
-            job.result.set_result(job.commit())
+        job.result.set_result(job.commit())
     except BaseException as e:  # noqa: BLE001 - raised at finalize, on every rank alike
         logger.debug("fastpersist: rank %d: the local commit of %s failed: %s", job.rank, job.checkpoint_dir, e)
         if job.committed is not None:  # where the commit was not reached, the drain learns it here
@@ -91,26 +90,25 @@ def await_writers_and_commit(job: LocalCommit) -> None:
 def _wait_for_writers(job: LocalCommit) -> None:
     """Return once every rank's writer is done; raise ``SaveFailedError`` on every rank where a rank gave up or
     died first."""
-    world, start, rounds = dist.get_world_size(job.group), time.perf_counter(), 0
-    while True:
-        flags = torch.tensor([int(job.done_here()), int(job.given_up.is_set())], dtype=torch.int64)
-        try:
-            dist.all_reduce(flags, group=job.group)
-        except RuntimeError as e:  # torch's DistError family: a rank died or timed out
-            raise SaveFailedError(
-                f"rank {job.rank}: async save of {job.checkpoint_dir} cannot be committed to the local tiers, a rank "
-                f"died or timed out ({type(e).__name__}: {e}); it was not committed") from e
-        rounds += 1
-        done, giving_up = (int(v) for v in flags.tolist())
-        if done == world:
-            logger.debug("fastpersist: rank %d: every writer of %s done, committing it to the local tiers (%d "
-                         "rounds, %.2f s)", job.rank, job.checkpoint_dir, rounds, time.perf_counter() - start)
-            return
-        if giving_up:
-            raise SaveFailedError(
-                f"rank {job.rank}: async save of {job.checkpoint_dir} given up: the process of {giving_up} rank(s) "
-                f"exited while {world - done} of {world} writers were still writing; it was not committed")
-        time.sleep(POLL_S)
+    start = time.perf_counter()
+    while not (job.done_here() or job.given_up.wait(POLL_S)):
+        pass
+    flags = torch.tensor([int(job.done_here()), int(job.given_up.is_set())], dtype=torch.int64)
+    try:
+        dist.all_reduce(flags, group=job.group)
+    except RuntimeError as e:  # torch's DistError family: a rank died or timed out
+        raise SaveFailedError(
+            f"rank {job.rank}: async save of {job.checkpoint_dir} cannot be committed to the local tiers, a rank "
+            f"died or timed out ({type(e).__name__}: {e}); it was not committed") from e
+    world = dist.get_world_size(job.group)
+    done, giving_up = (int(v) for v in flags.tolist())
+    if done == world:
+        logger.debug("fastpersist: rank %d: every writer of %s done, committing it to the local tiers (%.2f s)",
+                     job.rank, job.checkpoint_dir, time.perf_counter() - start)
+        return
+    raise SaveFailedError(
+        f"rank {job.rank}: async save of {job.checkpoint_dir} given up: the process of {giving_up} rank(s) "
+        f"exited while {world - done} of {world} writers were still writing; it was not committed")
 
 
 def finalize_step(job: LocalCommit, unfinished: Callable[[], list[Any]]) -> Callable[[], None]:

@@ -41,7 +41,6 @@ from ...storage.copy import (AtomicFile, Span, block_spans, check_chunk, chunk_p
                               sendable_in_place)
 from ...util.beside import Beside
 from ...util.errors import CorruptCheckpointError
-from ...util.lock_handoffs import prompt_lock_handoffs
 from ...util.per_process import PerProcess
 from ..index_reader import read_index
 from .part import RankPart
@@ -102,15 +101,14 @@ def replicate(job: Replication) -> None:
                     for t in mine if t.src == job.rank])
 
     try:
-        with prompt_lock_handoffs():
-            sent = Beside(sends, "fastpersist-replica-send")  # beside the receives: both directions move at once
-            try:
-                ok = all([_receive(t, os.path.join(job.local, t.data_file), spans(t), job, who)
-                          for t in mine if t.dst == job.rank])
-            except BaseException:
-                sent.join()  # the sends end too (a peer gone fails them): the receive's error is the one raised
-                raise
-            ok &= sent.result()
+        sent = Beside(sends, "fastpersist-replica-send")  # beside the receives: both directions move at once
+        try:
+            ok = all([_receive(t, os.path.join(job.local, t.data_file), spans(t), job, who)
+                      for t in mine if t.dst == job.rank])
+        except BaseException:
+            sent.join()  # the sends end too (a peer gone fails them): the receive's error is the one raised
+            raise
+        ok &= sent.result()
         flag = torch.tensor([int(ok)])
         job.group.allreduce([flag], dist.ReduceOp.MIN).wait()
     except RuntimeError as e:  # torch's DistError family: a peer died or timed out

@@ -42,7 +42,6 @@ from ...storage.mounts import SHMEM_ENABLED, on_memory_filesystem, small_pages_i
 from ...storage.writer import settling_bytes
 from ...util.config import TierConfig, WriteConfig
 from ...util.errors import FastPersistError, SaveFailedError
-from ...util.lock_handoffs import wanted_interval
 from ..agreement import Agreement, failure
 from ..directory import invalidate
 from .background import begin_save, commit_beside, drainer, replicator, retainer, start_threads
@@ -81,11 +80,8 @@ class TieredSave:
         """Collective: this save's copies; this node's copy directory made (every rank, before any check).
 
         Raises ``ValueError`` on every rank alike where there are fewer other
-        nodes than ``replicas``, or where two nodes see one ``local_dir``; and
-        where ``FASTPERSIST_BACKGROUND_SWITCH_S`` is not a number of seconds
-        (before the first collective: the environment is every rank's).
+        nodes than ``replicas``, or where two nodes see one ``local_dir``.
         """
-        wanted_interval()  # read by the background copies: a wrong value said here, not in their threads' logs
         start_threads(config.replicas > 0)
         topo = topology()
         local = local_copy_dir(config.local_dir, checkpoint_dir)

@@ -166,7 +166,7 @@ def _gathered_bytes(payload_sizes: list[int], members: int) -> int:
 def _timed(fn: Any) -> tuple[Any, float]:
     """``fn()`` and the CPU seconds it took (this process; steadier than wall time on a shared machine).
 
-    Garbage collection is paused, as the save engine pauses it around the exchange and plan.
+    Garbage collection is paused in this tool's own process, so that a collection of its heap is not counted.
     """
     gc.disable()
     start = time.process_time()
