@@ -16,7 +16,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 _DESCRIPTION = """FastPersist checkpoints for megatron-core: benchmark, knob search, simulation at scale, verify,
-inspect, build ops.
+inspect, build ops, the docs' benchmark report.
 
 Exit codes: 0 success, 1 the checkpoint has problems, 2 bad arguments or an
 unusable directory."""
@@ -82,6 +82,51 @@ def _bench_problems(args: argparse.Namespace) -> list[str]:
     return [p for p in problems if p]
 
 
+# `report`'s defaults: the pages and JSON of the checkout this command lives in, scratch space beside them
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPORT_JSON = os.path.join(CHECKOUT, "docs", "report.json")
+REPORT_DIR = os.path.join(CHECKOUT, "bench_out", "report")
+REPORT_SHM_DIR = "/dev/shm/fastpersist-report"
+
+
+def _checkout_pages() -> list[str]:
+    """README.md and docs/*.md of the checkout, where there is one."""
+    readme = os.path.join(CHECKOUT, "README.md")
+    if not os.path.isfile(readme):
+        return []
+    docs = os.path.join(CHECKOUT, "docs")
+    return [readme] + sorted(os.path.join(docs, n) for n in os.listdir(docs) if n.endswith(".md")) \
+        if os.path.isdir(docs) else [readme]
+
+
+def _directory_problem(option: str, path: str) -> Optional[str]:
+    """Why ``path`` cannot be (made into) a writable directory: its nearest existing ancestor must be one."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        return f"{option} {path}: {existing} is not a writable directory"
+    return None
+
+
+def _report_problems(args: argparse.Namespace) -> list[str]:
+    """Every reason the report arguments cannot run; the pages resolved (empty: the checkout's)."""
+    problems: list[Optional[str]] = []
+    args.pages = args.pages or _checkout_pages()
+    if not args.pages:
+        problems.append(f"no README.md in {CHECKOUT} (not a checkout): name the pages to fill")
+    problems += [f"page {p} is not a readable and writable file" for p in args.pages
+                 if not (os.path.isfile(p) and os.access(p, os.R_OK | os.W_OK))]
+    if args.from_json:
+        problems.append(None if os.path.isfile(args.from_json) else f"--from-json {args.from_json}: no such file")
+        return [p for p in problems if p]
+    problems.append(args.json and _output_path_problem(args.json))
+    problems += [_directory_problem("--dir", args.dir), _directory_problem("--shm-dir", args.shm_dir)]
+    if os.path.realpath(args.dir) == os.path.realpath(args.shm_dir):
+        problems.append("--dir and --shm-dir must be different directories (the disk and memory)")
+    return [p for p in problems if p]
+
+
 # command -> its argument check, run before anything heavy is imported
 _CHECKS: dict[str, Callable[[argparse.Namespace], list[str]]] = {
     "bench": _bench_problems,
@@ -89,6 +134,7 @@ _CHECKS: dict[str, Callable[[argparse.Namespace], list[str]]] = {
     "bench-train": lambda args: [p for p in [_layout_problem(args), args.every >= args.steps and
                                              f"--every ({args.every}) must be below --steps ({args.steps})"] if p],
     "simulate": lambda args: [p for p in [args.json and _output_path_problem(args.json)] if p],
+    "report": _report_problems,
 }
 
 
@@ -162,12 +208,6 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--local-dir", help="the local tier of fastpersist_tiered (e.g. /dev/shm/ckpt, or an NVMe path)")
     t.add_argument("--persistent", help="the persistent tier of fastpersist_tiered: a directory or an msc:// URL "
                    "(default: the benchmark directory)")
-    t.add_argument("--drain-while-writing", choices=("on", "off"), default="off",
-                   help="fastpersist_tiered's TierConfig.drain_while_writing: copy to the persistent tier while the "
-                        "local write goes on")
-    t.add_argument("--write-through", choices=("on", "off"), default="off",
-                   help="fastpersist_tiered's TierConfig.write_through: each rank's writer also writes the persistent "
-                        "tier's copy, beside the local write")
     t.add_argument("--share-reads", choices=("auto", "on", "off"), default="auto",
                    help="ReadConfig.share_reads of fastpersist_tiered's restarts (default auto: bytes several ranks "
                         "need are read once and sent, except from an in-memory filesystem)")
@@ -201,6 +241,29 @@ def parser() -> argparse.ArgumentParser:
                    help="run DCP's central planning up to this many ranks, extrapolate beyond (default 1024)")
     m.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     m.set_defaults(func=_command("simulate"))
+    r = sub.add_parser("report", help="run the benchmarks the docs quote, write their results as JSON and "
+                       "regenerate the docs' tables from it (about 10 minutes at the defaults on 2 cores)",
+                       description="Runs bench at 1 and 2 ranks in --dir (the disk) and --shm-dir (memory), and "
+                       "bench-train at 2 ranks (TP=1, the tiered contender's local tier in --shm-dir); writes the "
+                       "results, with the machine, storage, versions, date and commit they were measured with, to "
+                       "--json; then replaces the inside of every '<!-- report: NAME begin -->' ... "
+                       "'<!-- report: NAME end -->' block of the pages (NAME: bench, bench-detail, bench-train) by a "
+                       "stamp line and the table. At the defaults it takes about 10 minutes on a 2-core VM.")
+    r.add_argument("pages", nargs="*", metavar="PAGE.md",
+                   help="the pages whose report blocks are filled (default: README.md and docs/*.md of this checkout)")
+    r.add_argument("--dir", default=REPORT_DIR, help="the disk's benchmark directory (default %(default)s, "
+                   "git-ignored; removed afterwards if the run created it)")
+    r.add_argument("--shm-dir", default=REPORT_SHM_DIR, help="the in-memory benchmark directory, also bench-train's "
+                   "local tier (default %(default)s; removed afterwards if the run created it)")
+    r.add_argument("--gib", type=_positive_float, default=0.5,
+                   help="total state size in GiB (default 0.5: the whole run fits about 10 minutes on 2 cores)")
+    r.add_argument("--reps", type=_positive_int, default=3, help="repetitions per contender (default 3)")
+    r.add_argument("--json", metavar="PATH", default=REPORT_JSON,
+                   help="where the results go (default %(default)s: beside the pages it fills and committed with "
+                        "them, so that anyone can see what every quoted figure was measured on and re-render "
+                        "them with --from-json)")
+    r.add_argument("--from-json", metavar="FILE", help="measure nothing: fill the pages from this saved report")
+    r.set_defaults(func=_command("report"))
     o = sub.add_parser("build-ops", help="build (or check) the DeepSpeed ops FastPersist uses")
     o.set_defaults(func=_command("build_ops"))
     return p

@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/durable_beside_loop.py --dir /work/fp_durable --gib 1 --reps 3
     .venv-0.19/bin/python scripts/durable_beside_loop.py --dir /work/fp_durable --gib 1 --reps 3 \
-        --local-dir /dev/shm/fp_local --write-through
+        --local-dir /dev/shm/fp_local
 
 Two ranks (gloo, TP=2) hold the benchmark's GPT state and run ``load_ops(sd)``
 as a trainer does. Per repetition and loop kind, a synchronous save of the
@@ -13,8 +13,8 @@ competes with the writer), ``spin`` (50 ms of busy CPU, no memory traffic) or
 ``memory`` (the benchmark's in-place update of the whole state, as in
 ``bench-train``); ``AsyncSaveQueue.maybe_finalize`` runs after every step.
 Straight, the async save is durable once finalize commits it. With
-``--local-dir`` it is tiered (``TierConfig(local_dir, write_through=...)``,
-``--dir`` its persistent tier): the local commit is seen by finalize, and the
+``--local-dir`` it is tiered (``TierConfig(local_dir)``, ``--dir`` its
+persistent tier): the local commit is seen by finalize, and the
 time to durable is the one its manifest records (the loop steps on until
 then). Prints rank 0's medians, which tell the writer's own delay (``sleep``)
 from what competition for the cores and the memory adds.
@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[flo
     t = _trainer(rank, LoopConfig(BenchConfig(ranks=2, tp=2, gib=args.gib), compute_ms=0))
     tiers: Optional[TierConfig] = None
     if args.local_dir:
-        tiers = TierConfig(os.path.abspath(args.local_dir), write_through=args.write_through)
+        tiers = TierConfig(os.path.abspath(args.local_dir))
     FastPersistSaveStrategy().load_ops(t.sd)
     if tiers is not None:
         FastPersistSaveStrategy(tiers=tiers).load_ops(t.sd)
@@ -102,10 +102,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--local-dir", help="tiered async saves with this local tier, --dir their persistent one")
-    parser.add_argument("--write-through", action="store_true", help="TierConfig.write_through (with --local-dir)")
     args = parser.parse_args()
-    if args.write_through and not args.local_dir:
-        parser.error("--write-through needs --local-dir")
     os.makedirs(args.dir, exist_ok=True)
     times = on_ranks(2, _rank, args)[0]
     shutil.rmtree(args.dir, ignore_errors=True)

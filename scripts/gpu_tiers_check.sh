@@ -4,8 +4,8 @@
 #   scripts/gpu_tiers_check.sh write-path DIR   the local tier's write path on /dev/shm against the device
 #                                               bounds, the state in host memory, 1 then 2 ranks (`bench`)
 #   scripts/gpu_tiers_check.sh durable DIR      the training loop with tiered checkpoints, the state on the GPU:
-#                                               write_through off, on, then on at TP=2 (`bench-train`), the
-#                                               persistent tier DIR (put it on the disk to measure)
+#                                               TP=1 then TP=2 (`bench-train`), the persistent tier DIR (put it
+#                                               on the disk to measure)
 #   scripts/gpu_tiers_check.sh restart DIR      the restart at TP=1 (each rank needs the whole state) from the
 #                                               local tier on /dev/shm, the state on the GPU: reads unshared there
 #                                               (share_reads auto), then each byte read once and sent (on)
@@ -45,11 +45,10 @@ case "$part" in
             rm -rf /dev/shm/fp-tiers-bench
         done ;;
     durable)
-        for run in off:1 on:1 on:2; do
-            "$py" -m fastpersist_dist_cli bench-train --ranks 2 --tp "${run#*:}" --gib "$gib" --steps 30 --every 10 \
+        for tp in 1 2; do
+            "$py" -m fastpersist_dist_cli bench-train --ranks 2 --tp "$tp" --gib "$gib" --steps 30 --every 10 \
                 --compute-ms 150 --reps 2 --contenders none,fastpersist,fastpersist_tiered --dir "$dir/train" \
-                --local-dir /dev/shm/fp-tiers-local --write-through "${run%:*}" --log-level INFO \
-                --json "$dir/durable-${run%:*}-tp${run#*:}.json"
+                --local-dir /dev/shm/fp-tiers-local --log-level INFO --json "$dir/durable-tp$tp.json"
             rm -rf "$dir/train" /dev/shm/fp-tiers-local
         done ;;
     restart)

@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fastpersist_dist.format.checksum import BlockHasher  # noqa: E402
 from fastpersist_dist.format.records import ShardRecord  # noqa: E402
-from fastpersist_dist.storage.copy import Span, block_spans, copy_checked  # noqa: E402
+from fastpersist_dist.storage.copy import copy_checked  # noqa: E402
+from fastpersist_dist.storage.spans import Span, block_spans  # noqa: E402
 from fastpersist_dist.storage.persistent import persistent_dir  # noqa: E402
 
 BLOCK = 4 << 20  # the default checksum block

@@ -215,7 +215,7 @@ def _ops_loaded_before_the_ranks_fork() -> None:
     import torch
 
     from fastpersist_dist.storage import host_copy
-    from fastpersist_dist.storage.writer import preload_ops
+    from fastpersist_dist.storage.sinks import preload_ops
     from fastpersist_dist.util.config import WriteConfig
 
     host_copy.prepare()

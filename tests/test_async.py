@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 import os
 from functools import partial
-from typing import Optional
 
 import pytest
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
-from fastpersist_dist import SaveFailedError, TierConfig
+from fastpersist_dist import SaveFailedError
 from fastpersist_dist.compat import megatron_async_queue_class
 from fastpersist_dist.engine.async_queue import AsyncSaveQueue
 from fastpersist_dist.engine.writer_process import writer_client
@@ -266,14 +265,12 @@ def test_load_ops_with_the_state_reserves_the_first_save_s_buffer_and_plan(tmp_p
         assert (leased_reserved, plan_reused, n) == (True, True, 1)
 
 
-def _locked_in_writer_after_load_ops(rank: int, world: int, buffer_mb: int, tiers: Optional[TierConfig]) -> int:
-    native_strategy(io_buffer_mb=buffer_mb, tiers=tiers).load_ops()  # start-up, before any save
+def _locked_in_writer_after_load_ops(rank: int, world: int, buffer_mb: int) -> int:
+    native_strategy(io_buffer_mb=buffer_mb).load_ops()  # start-up, before any save
     return proc_status_kib("VmLck", writer_client().pid) * 1024
 
 
-@pytest.mark.parametrize("write_through", [False, True])
-def test_load_ops_readies_the_writer_s_bounce_buffer_of_that_configuration(tmp_path, write_through):
-    """And the second one its write-through copies take (``TierConfig.write_through``). Made in the first job
-    instead, they delayed the first async save by a second under load."""
-    tiers = TierConfig(str(tmp_path), write_through=True) if write_through else None
-    assert run_ranks(1, _locked_in_writer_after_load_ops, 64, tiers) == [(64 << 20) * (1 + write_through)]
+def test_load_ops_readies_the_writer_s_bounce_buffer_of_that_configuration(tmp_path):
+    """The writer holds the configuration's locked bounce buffer before the first save: made in the first job
+    instead, it would delay the first async save while the training loop keeps the cores busy."""
+    assert run_ranks(1, _locked_in_writer_after_load_ops, 64) == [64 << 20]

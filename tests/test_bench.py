@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fastpersist_dist.storage.mounts import filesystem_type
-from fastpersist_dist.tools.bench import training_loop
+from fastpersist_dist.tools.bench import loop_report, training_loop
 from fastpersist_dist.tools.bench.baselines import CHECKSUMMED_BOUND, CONTENDERS
 from fastpersist_dist.tools.bench.gpt_state import GptShape, gpt_sharded_state_dict
 from fastpersist_dist.tools.bench.runner import (
@@ -158,7 +158,7 @@ def test_training_loop_benchmark_tiny(tmp_path):
     assert report["copy_floor_bytes"] >= report["bytes"] // 2 and report["copy_floor_s"] > 0
     assert all(rows[n]["copy_floor_pct"] > 0 for n in ("fastpersist", "fastpersist_megatron_queue", "fastpersist_megatron_lm"))
     assert "copy_floor_pct" not in rows["torch_dist"]
-    table = training_loop.format_loop_table(report)
+    table = loop_report.format_loop_table(report)
     assert all(name in table for name in rows) and "slowdown" in table and "copy floor:" in table
     assert f"plus {report['matmuls_per_step']} matmuls (calibrated to 5 ms" in table
     assert not list((tmp_path / "t").iterdir())  # every checkpoint removed

@@ -22,22 +22,10 @@ import pytest
 
 from fastpersist_dist.format.checksum import BlockHasher
 from fastpersist_dist.format.records import ShardRecord
-from fastpersist_dist.storage.copy import (
-    DIRECT_ALIGN,
-    AtomicFile,
-    CheckedFile,
-    Span,
-    block_layout,
-    block_spans,
-    check_file,
-    chunk_plan,
-    copy_checked,
-    copy_following,
-    receive_checked,
-    window_plan,
-)
+from fastpersist_dist.storage.checked_read import CheckedFile, check_file
+from fastpersist_dist.storage.copy import DIRECT_ALIGN, copy_checked, copy_pending, receive_checked, window_plan
+from fastpersist_dist.storage.spans import Span, block_layout, block_spans, chunk_plan
 from fastpersist_dist.storage.files import TMP_SUFFIX, made_once
-from fastpersist_dist.storage.recycle import pool_dir, retire
 from fastpersist_dist.util.errors import CorruptCheckpointError, FastPersistError
 
 pytestmark = pytest.mark.engine
@@ -109,7 +97,7 @@ def dst_dir(request, tmp_path) -> str:
 
 @pytest.fixture(params=["disk", "tmpfs"])
 def src_dir(request, tmp_path) -> str:
-    """A source on the disk (read into buffers) or on tmpfs (mapped: ``copy._copy_windows``)."""
+    """A source on the disk (read into buffers) or on tmpfs (mapped: ``storage/copy.py``'s ``_copy_windows``)."""
     if request.param == "disk":
         return str(tmp_path)
     return request.getfixturevalue("shm_dir")
@@ -245,103 +233,37 @@ def test_a_damaged_chunk_received_is_named_and_nothing_is_written(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("dst.distcp")]
 
 
-class _Growing:
-    """A file written in pieces by a thread, as a writer does; ``wait`` follows it as the drain does. The writer
-    stops halfway until the copy asks for bytes past what is written: the copy must have read the first half
-    while the file was still growing."""
-
-    def __init__(self, path: str, data: bytes, piece: int):
-        self.path, self._data, self._piece = path, data, piece
-        self.asked_past_half = threading.Event()
-        self.finished = threading.Event()
-        self.failed = threading.Event()
-        self.returned: list[tuple[int, bool]] = []  # (end, whether the writer had finished) of each wait
-        open(path, "wb").close()
-        self.fd = os.open(path, os.O_RDONLY)
-        self._thread = threading.Thread(target=self._write, daemon=True)
-        self._thread.start()
-
-    def _write(self) -> None:
-        half = len(self._data) // 2
-        with open(self.path, "r+b", buffering=0) as f:
-            for start in range(0, len(self._data), self._piece):
-                if start >= half:
-                    self.asked_past_half.wait(30)
-                f.write(self._data[start : start + self._piece])
-        self.finished.set()
-
-    def wait(self, end: int) -> None:
-        while os.fstat(self.fd).st_size < end:
-            if end > len(self._data) // 2:
-                self.asked_past_half.set()
-            if self.failed.is_set():
-                raise FastPersistError("the save failed")
-            time.sleep(0.001)
-        self.returned.append((end, self.finished.is_set()))
-
-    def close(self) -> None:
-        self._thread.join(30)
-        os.close(self.fd)
-
-
 @pytest.mark.parametrize("lengths", [[1], [3 * BLOCK + 5], [100, 70_000, 9, 33_333, 200_000, 4 * BLOCK]])
-def test_a_copy_follows_a_file_being_written_and_commits_once_its_checksums_match(src_dir, dst_dir, lengths):
+def test_a_pending_copy_commits_once_its_checksums_match(src_dir, dst_dir, lengths):
+    """A copy made before the index's checksums are known stays under its temporary name, keeping its blocks'
+    digests, and is put in place once they equal the index's."""
     data = np.random.default_rng(3).integers(0, 256, sum(lengths), dtype=np.uint8).tobytes()
     records = _records(data, lengths)
-    growing = _Growing(os.path.join(src_dir, "src.distcp"), data, 5000)
-    dst = os.path.join(dst_dir, "dst.distcp")
-    try:
-        pending = copy_following(growing.fd, growing.path, dst,
-                                 block_layout([dataclasses.replace(r, checksums=()) for r in records], BLOCK),
-                                 len(data), "rank 0", growing.wait, 8192)
-    finally:
-        growing.close()
-    if len(data) > 4 * 8192:  # windows of the first half were read while the writer waited halfway
-        assert any(end <= len(data) // 2 and not finished for end, finished in growing.returned), growing.returned
+    src, dst = os.path.join(src_dir, "src.distcp"), os.path.join(dst_dir, "dst.distcp")
+    Path(src).write_bytes(data)
+    pending = copy_pending(src, dst, block_layout([dataclasses.replace(r, checksums=()) for r in records], BLOCK),
+                           len(data), "rank 0", 8192)
     assert not os.path.exists(dst)  # under its temporary name until the checksums are known
-    assert pending.commit_if(block_spans(records, BLOCK, len(data), growing.path))
-    with open(dst, "rb") as f:
-        assert f.read() == data
+    assert pending.commit_if(block_spans(records, BLOCK, len(data), src))
+    assert Path(dst).read_bytes() == data
     assert not [n for n in os.listdir(dst_dir) if n.endswith(TMP_SUFFIX)]
 
 
-def test_a_followed_copy_that_differs_from_the_index_is_removed(src_dir, dst_dir):
-    """The bytes read while the file grew are not the ones the writer hashed (the file was replaced, or read
-    too early): nothing is put in place, and the destination stays as it was."""
+def test_a_pending_copy_that_differs_from_the_index_is_removed(src_dir, dst_dir):
+    """The bytes copied are not the ones the writer hashed (the file was replaced meanwhile): nothing is put in
+    place, and the destination stays as it was."""
     lengths = [70_000, 33_333]
     data = np.random.default_rng(4).integers(0, 256, sum(lengths), dtype=np.uint8).tobytes()
     records = _records(data, lengths)
     changed = bytearray(data)
     changed[40_000] ^= 1
-    growing = _Growing(os.path.join(src_dir, "src.distcp"), bytes(changed), 5000)
-    dst = os.path.join(dst_dir, "dst.distcp")
-    with open(dst, "wb") as f:
-        f.write(b"old")
-    try:
-        pending = copy_following(growing.fd, growing.path, dst, block_layout(records, BLOCK), len(data), "rank 0",
-                                 growing.wait, 8192)
-    finally:
-        growing.close()
-    assert not pending.commit_if(block_spans(records, BLOCK, len(data), growing.path))
-    with open(dst, "rb") as f:
-        assert f.read() == b"old"
+    src, dst = os.path.join(src_dir, "src.distcp"), os.path.join(dst_dir, "dst.distcp")
+    Path(src).write_bytes(bytes(changed))
+    Path(dst).write_bytes(b"old")
+    pending = copy_pending(src, dst, block_layout(records, BLOCK), len(data), "rank 0", 8192)
+    assert not pending.commit_if(block_spans(records, BLOCK, len(data), src))
+    assert Path(dst).read_bytes() == b"old"
     assert not [n for n in os.listdir(dst_dir) if n.endswith(TMP_SUFFIX)]
-
-
-def test_a_followed_copy_whose_save_failed_is_removed(tmp_path, dst_dir):
-    data = np.random.default_rng(5).integers(0, 256, 100_000, dtype=np.uint8).tobytes()
-    records = _records(data, [len(data)])
-    growing = _Growing(str(tmp_path / "src.distcp"), data[:60_000], 5000)  # the writer stops: the save failed
-    growing.failed.set()
-    dst = os.path.join(dst_dir, "dst.distcp")
-    try:
-        with pytest.raises(FastPersistError, match="the save failed"):
-            copy_following(growing.fd, growing.path, dst, block_layout(records, BLOCK), len(data), "rank 0",
-                           growing.wait, 8192)
-    finally:
-        growing.asked_past_half.set()
-        growing.close()
-    assert not [n for n in os.listdir(dst_dir) if n.startswith("dst.distcp")]
 
 
 def _make_slowly(path: str, log: str) -> None:
@@ -382,26 +304,3 @@ def test_processes_that_need_the_same_file_make_it_once(tmp_path, there_before):
         assert len(f.read().split()) == 1
     with open(path, "rb") as f:
         assert f.read() == b"fetched"
-
-
-def test_a_file_received_in_memory_overwrites_a_retired_one_and_is_cut_to_its_length(shm_dir, tmp_path):
-    """On tmpfs an AtomicFile given a pool takes a retired file, overwrites it in place (same inode, its pages not
-    allocated again) and cuts its longer tail; with the pool empty, or on a disk, it writes a new file."""
-    pool = pool_dir(shm_dir)
-    retired = os.path.join(shm_dir, "retired")
-    with open(retired, "wb") as f:
-        f.write(b"\xff" * ((3 << 20) + 5))
-    inode = os.stat(retired).st_ino
-    assert retire(pool, [retired], limit=1) == 1
-    data = np.random.default_rng(3).integers(0, 256, (1 << 20) + 17, dtype=np.uint8).tobytes()
-    for name, directory, reused in (("a", shm_dir, True), ("b", shm_dir, False), ("c", str(tmp_path), False)):
-        if directory != shm_dir:
-            assert retire(pool, [os.path.join(shm_dir, "a")], limit=1) == 1  # one there again: a disk ignores it
-        out = AtomicFile(os.path.join(directory, name), pool)
-        out.write(data)
-        out.commit()
-        assert out.reused == reused, name
-        path = os.path.join(directory, name)
-        assert (os.stat(path).st_ino == inode) == reused, name
-        assert Path(path).read_bytes() == data, name
-    assert len(os.listdir(pool)) == 1  # the disk's file took none

@@ -3,8 +3,8 @@ into the directory of a checkpoint still being drained.
 
 Every rank's drain writes into the same directory at once (its data file, its marker); rank 0 also removes
 what an earlier checkpoint of that name left. It must never remove what another rank of this checkpoint is
-writing: for an async save each rank copies its data file once it is written (with ``drain_while_writing``,
-while it is written) and leaves its marker right after the local commit, often while rank 0 is still clearing.
+writing: for an async save each rank copies its data file once it is written and leaves its marker right after
+the local commit, often while rank 0 is still clearing.
 An async save whose finalize never runs is committed all the same once written, and durable by the exit; one
 whose write reaches the writer only after the exit began is given up and leaves nothing.
 """
@@ -34,9 +34,10 @@ from fastpersist_dist.engine.tiers.state import (POLL_OBJECT_STORE_S, POLL_S, dr
                                                  poll_pauses)
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import LOCAL, TierManifest
-from fastpersist_dist.storage.files import TMP_SUFFIX, written_through_name
+from fastpersist_dist.storage.files import TMP_SUFFIX
 from fastpersist_dist.storage.persistent import PosixDir
 from fastpersist_dist.util.errors import FastPersistError
+from fastpersist_dist.util.events import COMMITTED_LOCALLY, DURABLE, WAITING_FOR_COPIES, event_of, field_of
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.tools.verify import verify_checkpoint
 
@@ -63,8 +64,8 @@ def test_rank_0_clears_an_earlier_checkpoint_and_keeps_what_this_one_is_writing(
     stale = ["__2_0.distcp", f"__2_0.distcp.123{TMP_SUFFIX}", drained_marker(before, "__0_0.distcp"),
              drained_marker(before, "__1_0.distcp") + TMP_SUFFIX, f"common.pt{TMP_SUFFIX}"]
     # Copies of this checkpoint's files that an earlier save into the directory left when it died, last written
-    # long before this one's call: under way, and written through.
-    dead = [f"__0_0.distcp.123{TMP_SUFFIX}", os.path.basename(written_through_name("__1_0.distcp"))]
+    # long before this one's call.
+    dead = [f"__0_0.distcp.123{TMP_SUFFIX}", f"__1_0.distcp.456{TMP_SUFFIX}"]
     others = ["common.pt", "metadata.json"]
     for name in ours + stale + dead + others:
         open(os.path.join(home, name), "wb").close()
@@ -96,12 +97,11 @@ NEVER_FINALIZED = textwrap.dedent("""
 
     from fastpersist_dist import ASYNC_SAVE_KWARGS, FastPersistSaveStrategy, TierConfig
 
-    local, ckpt, mode = sys.argv[1:4]
+    local, ckpt = sys.argv[1:3]
     dist.init_process_group("gloo")
     w = torch.arange(4 << 20, dtype=torch.float32)
     sd = {"w": ShardedTensor.from_rank_offsets("w", w, replica_id=0)}
-    tiers = TierConfig(os.path.abspath(local), drain_while_writing=mode == "following",
-                       write_through=mode == "write through")
+    tiers = TierConfig(os.path.abspath(local))
     request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(tiers=tiers),
                                       async_sharded_save=True, **ASYNC_SAVE_KWARGS)
     request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)  # the write; its finalize never runs
@@ -109,15 +109,13 @@ NEVER_FINALIZED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode", ["following", "once written", "write through"])
-def test_a_save_written_but_never_finalized_is_durable_by_the_exit(tmp_path, mode):
-    """The drain copies the data file while it is written (``drain_while_writing``), or once its writer is done,
-    or the writer writes it there too (``write_through``); the script never finalizes and exits: the local commit
-    came once the write was done all the same, and the exit waits for the copy, so the checkpoint is durable, with
-    no temporary file left, and reads back whole. (It was given up at exit, the copy removed.)"""
+def test_a_save_written_but_never_finalized_is_durable_by_the_exit(tmp_path):
+    """The drain copies the data file once its writer is done; the script never finalizes and exits: the local
+    commit came once the write was done all the same, and the exit waits for the copy, so the checkpoint is
+    durable, with no temporary file left, and reads back whole."""
     ckpt, local = tmp_path / "persistent" / "step1", tmp_path / "local"
     ckpt.mkdir(parents=True)
-    done = run_one_rank_script(NEVER_FINALIZED, str(local), str(ckpt), mode)
+    done = run_one_rank_script(NEVER_FINALIZED, str(local), str(ckpt))
     assert done.returncode == 0 and "written" in done.stdout, done.stderr[-3000:]
     assert checkpoint_state(str(ckpt)) == "durable", done.stderr[-3000:]
     assert not [n for n in os.listdir(ckpt) if n.endswith(TMP_SUFFIX)], os.listdir(ckpt)
@@ -174,8 +172,8 @@ def _saved_last(local: str, ckpt: str, numel: int) -> None:
 
 def test_a_synchronous_save_as_the_last_thing_a_script_does_is_durable_by_the_exit(tmp_path):
     """The copy to the persistent tier starts at the local commit, while the script is already exiting: the
-    interpreter then starts no thread (Python 3.12 refuses any), and the copy's read-ahead runs on a thread kept
-    from before. It used to fail at every try until ``retry_s`` ran out, the exit waiting all along."""
+    interpreter then starts no thread (Python 3.12 refuses any), so the copy's read-ahead must run on a thread kept
+    from before, or it fails at every try until ``retry_s`` runs out."""
     ckpt = tmp_path / "persistent" / "step1"
     ckpt.mkdir(parents=True)
     _saved_last(str(tmp_path / "local"), str(ckpt), 4 << 20)
@@ -212,7 +210,7 @@ LATE_WRITE = textwrap.dedent("""
     dist.init_process_group("gloo")
     w = torch.arange(4 << 20, dtype=torch.float32)
     sd = {"w": ShardedTensor.from_rank_offsets("w", w, replica_id=0)}
-    tiers = TierConfig(os.path.abspath(local), write_through=True)
+    tiers = TierConfig(os.path.abspath(local))
     request = dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy(tiers=tiers),
                                       async_sharded_save=True, **ASYNC_SAVE_KWARGS)
     wait, go = os.pipe()
@@ -228,11 +226,10 @@ LATE_WRITE = textwrap.dedent("""
 """)
 
 
-def test_a_write_through_that_starts_after_the_exit_began_leaves_nothing(tmp_path):
-    """An async save written through, never finalized, whose write reaches the rank's writer only after the
-    process began to exit (its drain given up before anything was written): the writer is stopped before the
-    drain gives up, so the late job fails and no copy appears in the persistent directory after the drain's
-    look."""
+def test_an_async_write_that_starts_after_the_exit_began_leaves_nothing(tmp_path):
+    """An async save never finalized, whose write reaches the rank's writer only after the process began to exit
+    (its drain given up before anything was written): the writer is stopped before the drain gives up, so the
+    late job fails and no copy appears in the persistent directory."""
     ckpt, local = tmp_path / "persistent" / "step1", tmp_path / "local"
     ckpt.mkdir(parents=True)
     done = run_one_rank_script(LATE_WRITE, str(local), str(ckpt))
@@ -249,12 +246,10 @@ def _saved_twice_into_one_directory(rank: int, world: int, root: str, second: st
     ckpt, local = os.path.join(root, "persistent", "latest"), os.path.join(root, "local")
     records = logged("fastpersist_dist", logging.DEBUG)
     held: Future = Future()
-    waiting = f"rank {rank} ("
 
     class Release(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            if message.startswith(f"fastpersist: {waiting}") and f"saving {ckpt} again: waiting" in message:
+            if event_of(record) == WAITING_FOR_COPIES and field_of(record, "checkpoint") == ckpt:
                 release()
 
     def release() -> None:
@@ -283,13 +278,11 @@ def _saved_twice_into_one_directory(rank: int, world: int, root: str, second: st
     want = state(rank, world, 2)
     loaded = dist_checkpointing.load({k: empty_like_request(v) for k, v in want.items()}, ckpt,
                                      sharded_strategy=FastPersistLoadStrategy())
-    messages = [r.getMessage() for r in records]
     return {"equal": all(torch.equal(loaded[k], v.data) for k, v in want.items()),
-            "waited": any(m.startswith(f"fastpersist: {waiting}") and "again: waiting" in m for m in messages),
-            "problems": [m for r, m in zip(records, messages) if r.levelno >= logging.WARNING],
-            "events": ["local" if "committed to the local tiers" in m else "durable" for m in messages
-                       if m.startswith(f"fastpersist: {ckpt} committed to the local tiers")
-                       or m.startswith(f"fastpersist: {ckpt} is durable, ")]}
+            "waited": any(event_of(r) == WAITING_FOR_COPIES for r in records),
+            "problems": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
+            "events": [event_of(r) for r in records if event_of(r) in (COMMITTED_LOCALLY, DURABLE)
+                       and field_of(r, "checkpoint") == ckpt]}
 
 
 @pytest.mark.parametrize("second", ["tiered", "without tiers"])
@@ -301,7 +294,7 @@ def test_a_save_into_the_directory_of_a_checkpoint_still_draining_waits_for_its_
     results = run_ranks(2, _saved_twice_into_one_directory, str(tmp_path), second)
     for result in results:
         assert result["equal"] and result["waited"] and not result["problems"], result
-    events = ["local", "durable"] + (["local", "durable"] if second == "tiered" else [])
+    events = [COMMITTED_LOCALLY, DURABLE] * (2 if second == "tiered" else 1)
     assert results[0]["events"] == events, results[0]["events"]
 
 

@@ -23,7 +23,8 @@ from fastpersist_dist.format.index_pages import (
 )
 from fastpersist_dist.format.records import INDEX_FILE
 from fastpersist_dist.format.tiers import local_copy_dir
-from fastpersist_dist.tools.bench.simulate import Layout, loader_requests, paged_index
+from fastpersist_dist.tools.bench.sim_layout import Layout
+from fastpersist_dist.tools.bench.simulate import loader_requests, paged_index
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.tools.verify import verify_checkpoint
 from fastpersist_dist.util.errors import FastPersistError

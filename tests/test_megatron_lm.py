@@ -215,19 +215,13 @@ def test_the_runners_own_flags_set_what_megatron_lm_has_no_flag_for():
     local = ["--save", "/ckpt", "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "/nvme"]
     default = TierConfig("/nvme", local_only_under="/ckpt/non_persistent")
     assert megatron_lm.translate_local_flags(local).tiers == default
-    flags = megatron_lm.translate_local_flags([*local, "--fastpersist-keep-local=3", "--fastpersist-write-through"])
+    flags = megatron_lm.translate_local_flags([*local, "--fastpersist-keep-local=3"])
     assert flags.argv == ["--save", "/ckpt", "--non-persistent-ckpt-type", "global"]
-    assert flags.tiers is not None and (flags.tiers.keep_local, flags.tiers.write_through,
-                                        flags.tiers.drain_while_writing) == (3, True, False)
-    following = megatron_lm.translate_local_flags([*local, "--fastpersist-drain-while-writing",
-                                                   "--fastpersist-keep-local", "1"]).tiers
-    assert following is not None and (following.keep_local, following.drain_while_writing) == (1, True)
-    with pytest.raises(FastPersistError, match="--fastpersist-write-through: settings of local checkpoints, which "
+    assert flags.tiers is not None and flags.tiers.keep_local == 3
+    assert megatron_lm.translate_local_flags([*local, "--fastpersist-keep-local", "1"]).tiers.keep_local == 1
+    with pytest.raises(FastPersistError, match="--fastpersist-keep-local: settings of local checkpoints, which "
                                                "need --non-persistent-ckpt-type local"):
-        megatron_lm.translate_local_flags(["--save", "/ckpt", "--fastpersist-write-through"])
-    with pytest.raises(FastPersistError, match="--fastpersist-write-through --fastpersist-drain-while-writing: "
-                                               "write_through and drain_while_writing"):
-        megatron_lm.translate_local_flags([*local, "--fastpersist-write-through", "--fastpersist-drain-while-writing"])
+        megatron_lm.translate_local_flags(["--save", "/ckpt", "--fastpersist-keep-local", "2"])
     with pytest.raises(FastPersistError, match="--fastpersist-keep-local: keep_local must be >= 1, got 0"):
         megatron_lm.translate_local_flags([*local, "--fastpersist-keep-local", "0"])
 

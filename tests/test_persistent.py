@@ -12,7 +12,8 @@ import pytest
 from fastpersist_dist.format.checksum import BlockHasher
 from fastpersist_dist.format.records import ShardRecord
 from fastpersist_dist.storage import persistent
-from fastpersist_dist.storage.copy import Span, block_spans, check_file
+from fastpersist_dist.storage.checked_read import check_file
+from fastpersist_dist.storage.spans import Span, block_spans
 from fastpersist_dist.storage.persistent import PersistentDir, persistent_dir, write_at_once
 from fastpersist_dist.util.errors import CorruptCheckpointError
 

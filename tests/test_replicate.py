@@ -21,7 +21,7 @@ from fastpersist_dist.format.checksum import BlockHasher
 from fastpersist_dist.format.records import ShardRecord
 from fastpersist_dist.format.tiers import TierManifest
 from fastpersist_dist.plan.replicas import ReplicaTransfer
-from fastpersist_dist.storage.copy import CHUNK_BYTES, Span, block_spans
+from fastpersist_dist.storage.spans import CHUNK_BYTES, Span, block_spans
 from fastpersist_dist.storage.files import TMP_SUFFIX
 from fastpersist_dist.tools.ranks import run_ranks
 
@@ -53,7 +53,7 @@ def _transfer(rank: int, world: int, root: str, damaged_at: int) -> dict:
     os.makedirs(node, exist_ok=True)
     manifest = TierManifest("c", os.path.join(root, "persistent"), root, ((0,), (1,)),
                             {"bad.distcp": 0, "good.distcp": 0}, (), "", "local", 0.0)
-    job = Replication(manifest, node, rank, f"node {rank}", dist.group.WORLD, None)
+    job = Replication(manifest, node, rank, f"node {rank}", dist.group.WORLD)
     records = logged(level=logging.DEBUG)
     results = {}
     for name, seed in (("bad.distcp", 1), ("good.distcp", 2)):

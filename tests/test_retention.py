@@ -1,17 +1,14 @@
-"""A node's local tier: which copies it keeps, and a tier in memory overwriting retired data files in place.
+"""A node's local tier: which copies it keeps, and a tier in memory keeping one copy loading every step back.
 
 Real directories, manifests and persistent homes; the writes through the engine's own writer on the tmpfs at
-/dev/shm, where a new file's pages are allocated and an old one's freed, and where a retired file is
-overwritten instead.
+/dev/shm.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import shutil
-import textwrap
 import time
 
 import pytest
@@ -23,13 +20,10 @@ from fastpersist_dist.engine.tiers.retention import reading, retain
 from fastpersist_dist.format.records import INDEX_FILE
 from fastpersist_dist.format.tiers import DURABLE, LOCAL, TIERS_FILE, TierManifest, local_copy_dir
 from fastpersist_dist.storage.persistent import PosixDir
-from fastpersist_dist.storage.recycle import POOL_DIR, pool_dir, retire, take
-from fastpersist_dist.storage.writer import write_rank_file
 from fastpersist_dist.tools.ranks import run_ranks
-from fastpersist_dist.util.config import MiB, WriteConfig
+from fastpersist_dist.util.config import MiB
 
-from .faults import random_records
-from .helpers import empty_like_request, logged, run_one_rank_script
+from .helpers import empty_like_request
 from .tiers_driver import state
 
 pytestmark = pytest.mark.engine
@@ -59,7 +53,7 @@ def _copy(local_dir: str, home: str, age: int, persistent: bool = True, durable:
 
 
 def _kept(local_dir: str) -> list[str]:
-    return sorted(n for n in os.listdir(local_dir) if n != POOL_DIR)
+    return sorted(os.listdir(local_dir))
 
 
 def test_the_newest_copies_the_newest_durable_one_those_not_durable_being_replicated_or_read_are_kept(tmp_path):
@@ -108,58 +102,9 @@ def test_a_copy_of_a_removed_checkpoint_goes_even_among_the_newest(tmp_path):
     assert not os.path.exists(removed) and not os.path.exists(removed_local_only)
 
 
-def test_a_retired_copy_in_memory_leaves_its_data_files_for_the_next_writes_to_overwrite(shm_dir, tmp_path):
-    local, homes = os.path.join(shm_dir, "local"), tmp_path / "persistent"
-    old, _ = _copy(local, str(homes / "s1"), 60, persistent=False)
-    inodes = {os.stat(os.path.join(old, n)).st_ino for n in FILES}
-    current, manifest = _copy(local, str(homes / "s2"), 0, persistent=False)
-    pool = pool_dir(local)
-    retain(TierConfig(local, keep_local=1), manifest, pool, limit=1)
-    assert not os.path.exists(old) and _kept(local) == [os.path.basename(current)]
-    (kept,) = os.listdir(pool)  # one file per writer of the node (limit), the other removed
-    assert os.stat(os.path.join(pool, kept)).st_ino in inodes
-    pooled = os.stat(os.path.join(pool, kept))
-    run_ranks(1, _overwrite, os.path.join(shm_dir, "next"), pool, pooled.st_ino, pooled.st_size)
-    assert os.listdir(pool) == []
-
-
-def _overwrite(rank: int, world: int, directory: str, pool: str, inode: int, pooled_bytes: int) -> None:
-    """Two writes into ``directory`` taking from ``pool``: the first overwrites the pooled file (same inode, cut to
-    its own length, every byte its own), the second, the pool empty, writes a new file."""
-    os.makedirs(directory)
-    items = random_records([MiB // 2 + 3, 7], rank)  # shorter than the pooled file: its tail must go
-    expected = b"".join(bytes(item.data.numpy()) for item in items)
-    assert len(expected) < pooled_bytes
-    records = logged(level=logging.DEBUG)
-    for name, reused in (("a.bin", True), ("b.bin", False)):
-        path = os.path.join(directory, name)
-        records.clear()
-        result = write_rank_file(path, items, WriteConfig(checksum_block_mb=1), rank, reuse_from=pool)
-        assert result.mode == "buffered"
-        assert (os.stat(path).st_ino == inode) == reused, name
-        with open(path, "rb") as f:
-            assert f.read() == expected, name
-        assert any("over a retired file" in r.getMessage() for r in records) == reused, name
-
-
-def test_retire_keeps_at_most_limit_files_and_each_taker_gets_a_different_one(shm_dir):
-    pool = pool_dir(shm_dir)
-    sources = []
-    for i in range(3):
-        sources.append(os.path.join(shm_dir, f"f{i}"))
-        with open(sources[-1], "wb") as f:
-            f.write(b"x")
-    assert retire(pool, sources, limit=2) == 2
-    assert not any(os.path.exists(s) for s in sources) and len(os.listdir(pool)) == 2
-    assert take(pool, os.path.join(shm_dir, "a")) and take(pool, os.path.join(shm_dir, "b"))
-    assert not take(pool, os.path.join(shm_dir, "c"))
-    assert os.stat(os.path.join(shm_dir, "a")).st_ino != os.stat(os.path.join(shm_dir, "b")).st_ino
-
-
 def _train(rank: int, world: int, local: str, root: str, steps: int) -> list[str]:
     """Tiered saves of ``steps`` steps into a local tier in memory (keep_local=1), each waited durable, then every
-    step loaded back; the DEBUG lines of this rank's writes."""
-    records = logged("fastpersist_dist.storage.writer", logging.DEBUG)
+    step loaded back; the local copies kept."""
     strategy = FastPersistSaveStrategy(tiers=TierConfig(local, keep_local=1))
     for step in range(steps):
         ckpt = os.path.join(root, f"step{step}")
@@ -174,51 +119,14 @@ def _train(rank: int, world: int, local: str, root: str, steps: int) -> list[str
                                          os.path.join(root, f"step{step}"),
                                          sharded_strategy=FastPersistLoadStrategy(local_dir=local))
         assert all(torch.equal(loaded[k], v.data) for k, v in want.items()), step
-    return [r.getMessage() for r in records if " wrote " in r.getMessage()]
+    return _kept(local)
 
 
-def test_tiered_saves_in_memory_overwrite_the_files_of_the_copies_they_retire(shm_dir, tmp_path):
-    """keep_local=1, each save durable before the next: the copy of step k-2 is retired at step k's commit (step
-    k-1's is the newest durable one then), so from step 3 on each rank overwrites one of its files; every step
-    loads back with its own values, from the local tier or the persistent one."""
+def test_tiered_saves_in_memory_keeping_one_copy_load_every_step_back(shm_dir, tmp_path):
+    """keep_local=1, each save durable before the next: the copy of step k-2 is removed at step k's commit (step
+    k-1's is the newest durable one then); every step loads back with its own values, from the local tier or the
+    persistent one, and the local tier keeps the last two copies."""
     local = os.path.join(shm_dir, "local")
-    logs = run_ranks(2, _train, local, str(tmp_path), 5)
-    for lines in logs:
-        assert len(lines) == 5, lines
-        assert ["over a retired file" in line for line in lines] == [False, False, False, True, True], lines
-    assert len(os.listdir(pool_dir(local))) <= 2
-
-
-RETIRING_PROCESS = textwrap.dedent("""
-    import os
-    import sys
-
-    import torch
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    from fastpersist_dist import FastPersistSaveStrategy, TierConfig, wait_copies
-    from fastpersist_dist.storage.recycle import pool_dir
-
-    local, root = sys.argv[1:3]
-    dist.init_process_group("gloo")
-    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(1 << 20, dtype=torch.float32), replica_id=0)}
-    strategy = FastPersistSaveStrategy(tiers=TierConfig(local, keep_local=1, persistent=False))
-    for step in range(2):
-        os.makedirs(f"{root}/step{step}")
-        dist_checkpointing.save(sd, f"{root}/step{step}", sharded_strategy=strategy)
-    assert wait_copies(timeout=60)
-    print("retired:", len(os.listdir(pool_dir(local))), flush=True)
-""")
-
-
-def test_retired_files_no_save_took_are_removed_when_the_process_exits(shm_dir, tmp_path):
-    """Two local checkpoints keeping one copy: the second save retires the first one's data file, which no
-    later save takes; the process's exit removes it."""
-    local = os.path.join(shm_dir, "local")
-    done = run_one_rank_script(RETIRING_PROCESS, local, str(tmp_path))
-    assert done.returncode == 0 and "retired: 1" in done.stdout, done.stdout + done.stderr[-3000:]
-    assert not os.path.exists(pool_dir(local)) or os.listdir(pool_dir(local)) == []
-    assert _kept(local) == [os.path.basename(local_copy_dir(local, str(tmp_path / "step1")))]
-
+    for kept in run_ranks(2, _train, local, str(tmp_path), 5):
+        assert kept == sorted(os.path.basename(local_copy_dir(local, str(tmp_path / f"step{k}"))) for k in (3, 4)), \
+            kept

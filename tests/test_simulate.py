@@ -10,7 +10,8 @@ import pytest
 
 from fastpersist_dist.format.coverage import coverage_errors
 from fastpersist_dist.plan.writes import PlanCache
-from fastpersist_dist.tools.bench.simulate import Layout, format_table, paged_index, placed_index_records, simulate
+from fastpersist_dist.tools.bench.sim_layout import Layout
+from fastpersist_dist.tools.bench.simulate import format_table, paged_index, placed_index_records, simulate
 
 pytestmark = pytest.mark.engine
 

@@ -4,8 +4,7 @@
 namespace of its own where the same local-tier path is that node's own directory. Actions:
 
 * ``save``: for each of ``saves``, save the state of its ``step`` (``rows`` rows of ``w`` per rank) into its
-  ``checkpoint`` (``local_dir``, ``replicas``, ``persistent``, ``drain_while_writing``, ``write_through``,
-  ``async`` as it says), leave a file ``rank<N>`` in the directory ``returned`` (if given) once the call is over,
+  ``checkpoint`` (``local_dir``, ``replicas``, ``persistent``, ``keep_local``, ``async`` as it says), leave a file ``rank<N>`` in the directory ``returned`` (if given) once the call is over,
   then optionally wait
   until it is durable (``wait_durable``) or until this rank's copies are done (``wait_copies``);
 * ``load``: load ``checkpoint`` into a fresh state of ``step`` (with ``loader_local_dir`` and ``share_reads`` if
@@ -18,8 +17,8 @@ namespace of its own where the same local-tier path is that node's own directory
 
 ``msc``: turn on megatron-core's multi-storage-client support (``msc://`` checkpoint paths, ``--enable-msc``).
 Prints one line ``RESULT {...}``: what this rank saw, the warnings and errors it logged, how its drain copied
-its data files (``drained``), its writes (``wrote``), the replicas it received (``received``) and the advice it
-gave about a local tier in memory (``advice``).
+its data files (``drained``), the replicas it received (``received``) and the advice it gave about a local tier
+in memory (``advice``).
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from fastpersist_dist import (
     wait_copies,
     wait_durable,
 )
+from fastpersist_dist.util.events import COPIED, FETCHED, event_of, field_of
 
 from .helpers import empty_like_request, global_tensor, sharded
 
@@ -71,8 +71,6 @@ def _save(rank: int, world: int, args: dict) -> dict:
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
     tiers = TierConfig(args["local_dir"], replicas=args.get("replicas", 0), persistent=args.get("persistent", True),
-                       drain_while_writing=args.get("drain_while_writing", False),
-                       write_through=args.get("write_through", False),
                        keep_local=args.get("keep_local", 2))
     strategy = FastPersistSaveStrategy(args.get("format"), tiers=tiers)
     sd = state(rank, world, args["step"], args.get("rows", 64))
@@ -125,9 +123,9 @@ def _load(rank: int, world: int, args: dict) -> dict:
     seen: list[str] = []
     if args.get("audit"):
         sys.addaudithook(_persistent_io(ckpt, seen))
-    fetched = logging.Handler(logging.INFO)  # this rank fetching a data file from an object store
-    fetched.addFilter(lambda record: " fetched " in record.getMessage())
-    fetched.emit = lambda record: out["fetched"].append(record.getMessage())  # type: ignore[method-assign]
+    fetched = logging.Handler(logging.INFO)  # the files this rank fetched from an object store
+    fetched.addFilter(lambda record: event_of(record) == FETCHED)
+    fetched.emit = lambda record: out["fetched"].append(field_of(record, "file"))  # type: ignore[method-assign]
     logging.getLogger("fastpersist_dist").addHandler(fetched)
     started = time.perf_counter()
     try:
@@ -170,12 +168,15 @@ def main(action: str, args: dict) -> dict:
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("fastpersist_dist").addHandler(handler)
-    # What this rank logged of: its drain copying its data file, its writes, the replicas it received, and the
-    # advice about a local tier in memory without huge pages
-    kept: dict[str, list[str]] = {"drained": [], "wrote": [], "received": [], "advice": []}
-    for name, key, says in (("engine.tiers.drain", "drained", "every block checked"),
-                            ("storage.writer", "wrote", " wrote "),
-                            ("engine.tiers.replicate", "received", " received the replica "),
+    # What this rank logged of: when its drain copied its data file, the replicas it received, and the advice
+    # about a local tier in memory without huge pages
+    kept: dict[str, list[str]] = {"drained": [], "received": [], "advice": []}
+    copied = logging.Handler(logging.DEBUG)
+    copied.addFilter(lambda record: event_of(record) == COPIED)
+    copied.emit = lambda record: kept["drained"].append(field_of(record, "when"))  # type: ignore[method-assign]
+    logging.getLogger("fastpersist_dist.engine.tiers.drain").setLevel(logging.DEBUG)
+    logging.getLogger("fastpersist_dist.engine.tiers.drain").addHandler(copied)
+    for name, key, says in (("engine.tiers.replicate", "received", " received the replica "),
                             ("engine.tiers.save", "advice", " without huge pages")):
         logging.getLogger(f"fastpersist_dist.{name}").setLevel(logging.DEBUG)
         lines = logging.Handler(logging.DEBUG)

@@ -120,10 +120,10 @@ class LoadEngine:
                 raise
             nearest = os.path.dirname(reader.path(min(index.files))) if index.files else index_dir
             share = cfg.share_reads == "on" or not on_memory_filesystem(nearest)
-            # A tiered checkpoint: each rank reads what it can reach (its node's copy, the persistent tier once a
-            # file is there), the rest is read for it by a rank that can and sent (the same on every rank).
-            readable = None if copies is None else frozenset(copies.dirs)
-            loader.run(cfg.read_threads, group, share, readable, recovery)
+            # A tiered checkpoint: each file is read from the nearest intact copy: this node's, else a node's that
+            # holds it (a rank there reads it and sends it), else the persistent tier (the rank needing it reads it).
+            near = None if copies is None else copies.near()
+            loader.run(cfg.read_threads, group, share, near, recovery)
         seconds = time.perf_counter() - start
         sent, received = loader.exchanged
         (logger.info if rank == 0 else logger.debug)(
@@ -236,7 +236,7 @@ class Loader:
         return dest
 
     def run(self, threads: int, group: Optional[dist.ProcessGroup] = None, share: bool = True,
-            readable: Optional[frozenset[str]] = None, recovery: Optional[dist.ProcessGroup] = None) -> None:
+            near: Optional[frozenset[str]] = None, recovery: Optional[dist.ProcessGroup] = None) -> None:
         """Execute the planned reads sorted by file and offset: sequential I/O, whatever the dict order.
 
         With a stream, large aio reads into its locked double buffer (see
@@ -244,19 +244,23 @@ class Loader:
         run on a small pool, so one read's I/O overlaps another's checksum and copy.
         With ``group`` (collective over it), bytes several ranks need are read
         once and sent to the others (see read_exchange.py), unless a rank of
-        the group passes ``share=False``; ``readable``: the files this rank can
-        read (a tiered checkpoint not durable yet), the rest read for it, by
-        ranks of ``recovery`` (the whole job, where ``group`` is not; collective
-        over it) if any rank needs such bytes, else of ``group``.
+        the group passes ``share=False``. ``near``: a tiered checkpoint's files
+        on this node; within ``group`` a file is read by a rank of a node that
+        holds it, the rank needing it reading it from a farther copy (the
+        persistent tier) only where no rank holds it near. Where ``recovery``
+        is given (the whole job, where ``group`` is not; collective over it),
+        the bytes of files of which no copy opens here are first read for this
+        rank by ranks of the job that can, if any rank needs such bytes.
         """
         reads, self.reads = sorted(self.reads, key=read_order), []
         shown = progress.task("load", sum(r.dest.nbytes for r in reads))
         exchange = None
         block = self.reader.index.checksum_block_bytes if self.reader.verify else None
-        if readable is not None and recovery is not None:
-            exchange = ReadExchange.recover(reads, recovery, block, self.reader.who, readable, self._extent)
+        if near is not None and recovery is not None:
+            exchange = ReadExchange.recover(reads, recovery, block, self.reader.who, self.reader.reachable,
+                                            self._extent)
         if exchange is None and group is not None:
-            exchange = ReadExchange.start(reads, group, block, self.reader.who, share, readable, self._extent)
+            exchange = ReadExchange.start(reads, group, block, self.reader.who, share, near, self._extent)
         if exchange is not None:
             reads = exchange.reads
             self.exchanged = (exchange.sent_bytes, exchange.received_bytes)

@@ -13,15 +13,20 @@ load (index, planning, a read) still takes part in the group's next gather
 (``Agreement.fail_together``), so every rank raises an error naming it instead of
 waiting forever on a collective or a receive.
 
-A tiered checkpoint that is not durable yet may hold a file only in the local
-tiers of other nodes (a replaced node's files, in their replicas). Where the
-load's group is not the whole job (a job above ``DEFAULT_GROUP_MAX_RANKS``, or a
-``parallel_group`` of one node's ranks; not with ``share_reads="off"``, whose
-loads stay independent), :meth:`ReadExchange.recover` gathers over the whole job
-each rank's needs of such bytes (none from most ranks, or from all: only the
-ranks that have some send them, ``Agreement.agree_sparse``); only where there
-are some does every rank say which of those files it can read, and ranks
-holding a copy read and send them (``plan.read_sharing.plan_recovery``).
+A tiered checkpoint is read from the nearest intact copy of each file: within
+the group, a file a rank's node lacks is read by a rank of a node that holds it
+(a replaced node's files, in the replicas of others), and only where no rank
+holds it near, by a rank that needs it from the persistent tier. A file may
+also be held only in the local tiers of other nodes (a checkpoint not durable
+yet, or a persistent copy missing or cut short). Where the load's group is not
+the whole job (a job above ``DEFAULT_GROUP_MAX_RANKS``, or a ``parallel_group``
+of one node's ranks; not with ``share_reads="off"``, whose loads stay
+independent), :meth:`ReadExchange.recover` gathers over the whole job each
+rank's needs of files of which no copy opens for it (none from most ranks, or
+from all: only the ranks that have some send them, ``Agreement.agree_sparse``);
+only where there are some does every rank say which of those files it can
+open, and ranks holding a copy read and send them
+(``plan.read_sharing.plan_recovery``).
 
 Bytes received were verified by the rank that read them; the transport
 (TCP for gloo, NCCL) is trusted. Extra memory: the send buffers of this rank
@@ -34,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -185,11 +190,13 @@ class ReadExchange:
 
         A rank passing ``share=False`` turns sharing off for the whole group (the
         decision is taken from the gathered data, so every rank takes the same).
-        ``readable``: the files this rank can read (a tiered checkpoint; None:
-        all): what a rank cannot read is read for it by one that can, sharing on
-        or off (the needs are gathered only where sharing is on or a rank needs
-        such bytes: a gather of two flags per rank first); ``lookup`` finds the
-        record and extent of a need that such a reader does not want itself.
+        ``readable``: the files this rank reads from its node's copy (a tiered
+        checkpoint; None: all): what a rank lacks there is read for it by one
+        that has it, sharing on or off, and where no rank has it, by a rank that
+        needs it, from a farther copy (the needs are gathered only where sharing
+        is on or a rank needs such bytes: a gather of two flags per rank first);
+        ``lookup`` finds the record and extent of a need that such a reader does
+        not want itself.
         """
         start = time.perf_counter()
         agreement = shared_load(who)
@@ -219,19 +226,21 @@ class ReadExchange:
 
     @classmethod
     def recover(cls, reads: list[BoxRead], group: dist.ProcessGroup, block: Optional[int], who: str,
-                readable: frozenset[str], lookup: Lookup) -> Optional["ReadExchange"]:
-        """The transfers bringing each rank of ``group`` (the whole job) the bytes it needs of files it cannot
-        read (``readable``: those it can); None, on every rank, when no rank needs any. Collective: a gather of
-        one flag per rank and a broadcast of the needs of each rank that has some (``Agreement.agree_sparse``),
-        then, only where there are some, a gather of which of those files each rank can read."""
+                reachable: Callable[[Iterable[str]], frozenset[str]], lookup: Lookup) -> Optional["ReadExchange"]:
+        """The transfers bringing each rank of ``group`` (the whole job) the bytes it needs of files of which no
+        copy opens here (``reachable(names)``: those of ``names`` of which one does); None, on every rank, when
+        no rank needs any. Collective: a gather of one flag per rank and a broadcast of the needs of each rank
+        that has some (``Agreement.agree_sparse``), then, only where there are some, a gather of which of those
+        files each rank can read."""
         start = time.perf_counter()
+        readable = reachable({r.record.file for r in reads})
         stranded = {i: need_of(r, block) for i, r in enumerate(reads) if r.record.file not in readable}
         agreement = shared_load(who)
         everyone = [needs or {} for needs in agreement.agree_sparse(stranded, group)]
         if not any(everyone):
             return None
         files = {n.file for needs in everyone for n in needs.values()}
-        holders = agreement.agree(sorted(readable & files), group)
+        holders = agreement.agree(sorted(reachable(files)), group)
         transfers = plan_recovery(everyone, [frozenset(names) for names in holders])
         if not transfers:
             return None

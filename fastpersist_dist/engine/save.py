@@ -29,7 +29,8 @@ from ..format.kinds import CheckpointFormat
 from ..format.records import ShardRecord
 from ..plan.writes import Outgoing, PlanCache, PlanError, place_in_rank_file
 from ..storage import host_copy
-from ..storage.writer import WriteItem, preload_ops
+from ..storage.sinks import preload_ops
+from ..storage.writer import WriteItem
 from ..util.config import WriteConfig
 from ..util.errors import FastPersistError, SaveFailedError
 from ..util.per_process import PerProcess
@@ -142,16 +143,15 @@ class SaveEngine:
         self.fmt = fmt
         self.group = group  # ranks that exchange shard lists and plan together (None: the world)
 
-    def load_ops(self, write_through: bool = False) -> None:
+    def load_ops(self) -> None:
         """Load DeepSpeed's native ops and the snapshot's streaming copy here; start the rank's writer process
-        and wait until it serves with this configuration's aio handle and bounce buffer (``write_through``:
-        and those of its write-through copies, ``TierConfig.write_through``).
+        and wait until it serves with this configuration's aio handle and bounce buffer.
 
         Seconds, once per process; without it the first async save becomes durable that much later.
         """
         preload_ops(self.config)
         host_copy.prepare()
-        writer_client().wait_ready(self.config, write_through)
+        writer_client().wait_ready(self.config)
 
     @property
     def plan_reused(self) -> bool:
@@ -234,7 +234,6 @@ class SaveEngine:
         persistent, aux_files = str(checkpoint_dir), aux_files or {}
         rank = dist.get_rank()
         ckpt = tier.local if tier is not None else persistent
-        reuse_from = None if tier is None else tier.recycled  # retired files the write overwrites one of
         shared = _process_wide()
         target = os.path.realpath(ckpt)
         if target in shared.writing:  # the same on every rank: finalize is collective
@@ -256,14 +255,13 @@ class SaveEngine:
             items = _items(staged, self.fmt, rank, self.config.separation_hint)
             phases.mark("frame")
             logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
-            return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank), reuse_from),
+            return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank)),
                            [self._committing(commit, tier, items, aux_files, follow=False)])
         staged, lease = self._snapshot(staged, out, ckpt, error, phases, tier)
         address, writer_pid = writer_client().ensure_running()
         items = _items(staged, self.fmt, rank, self.config.separation_hint)
         data_file = self.fmt.data_file(rank)
-        job = WriterJob(ckpt, data_file, describe_items(items, lease[1]), self.config, rank, reuse_from,
-                        tier.write_through_to(data_file) if tier is not None and items else None)
+        job = WriterJob(ckpt, data_file, describe_items(items, lease[1]), self.config, rank)
         # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
         finalize = [partial(shared.pool.release, lease), partial(shared.writing.discard, target),
                     self._committing(commit, tier, items, aux_files, follow=True)]

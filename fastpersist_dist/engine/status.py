@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ..format.records import CONTAINER_TORCH_SAVE, record_to_json, status_file_name
 from ..storage.files import atomic_write
@@ -48,32 +48,16 @@ def left_good_status(checkpoint_dir: str, rank: int) -> bool:
 
 
 def write_and_report(checkpoint_dir: str, items: list[WriteItem], config: WriteConfig, rank: int,
-                     data_file: str, reuse_from: Optional[str] = None, copy_to: Optional[str] = None,
-                     reported: Optional[Callable[[], None]] = None) -> None:
+                     data_file: str) -> None:
     """Step 2: write this rank's file and leave its status; never raises (the status is the hand-over).
 
-    Runs in the trainer (synchronous save) or in the rank's writer process
-    (async). ``reuse_from``, ``copy_to``: see :func:`write_rank_file`. A good
-    status is left as soon as the file is written, before a write-through
-    copy is finished (``reported`` is called then, and must not raise): the
-    local commit does not wait for the persistent tier, and nothing after it
-    turns that status into a failure (a copy that fails is dropped and the
-    drain copies the file instead).
+    Runs in the trainer (synchronous save) or in the rank's writer process (async).
     """
     path = os.path.join(checkpoint_dir, data_file)
-    left = False
-
-    def leave(result: WriteResult) -> None:
-        nonlocal left
-        write_status(checkpoint_dir, rank, result, None)
-        left = True
-        if reported is not None:
-            reported()
-
     try:
-        write_rank_file(path, items, config, rank, reuse_from, copy_to, leave)
+        result = write_rank_file(path, items, config, rank)
     except BaseException as e:  # noqa: BLE001 - reported to every rank at finalize
-        if left:
-            raise
         logger.error("fastpersist: rank %d failed writing %s: %s", rank, path, e)
         write_status(checkpoint_dir, rank, None, e)
+        return
+    write_status(checkpoint_dir, rank, result, None)

@@ -14,32 +14,21 @@ one connection per message, a message being a length-prefixed pickle:
 * ``("buffer", id, nbytes)`` with the memfd attached: map it (the trainer, when
   a snapshot buffer is made, or again for a new writer);
 * ``("drop", id)``: unmap it;
-* ``("ping", config, write_through)``: make the aio handle and bounce buffer
-  of ``config`` (a ``WriteConfig``, or None), and with ``write_through`` those
-  of the write-through copies, unless they exist, then answer ``("pong",
+* ``("ping", config)``: make the aio handle and bounce buffer of ``config``
+  (a ``WriteConfig``, or None) unless they exist, then answer ``("pong",
   None)`` (the writer is ready);
 * ``("job", WriterJob)``: write the file, leave the status (as any writer does,
-  see status.py) and answer ``("written", why)``; then finish the job's
-  write-through copy, if any, and answer ``("done", None)``. The caller (the
-  request's ``async_fn``, in whatever process megatron's or our queue runs it)
-  waits for both answers; if the connection breaks before the writer left a
-  good status (the caller reads it: the answer "written" may be lost with a
-  writer killed right after the status), the writer died, and the caller
-  leaves a failure status naming the file, so finalize fails on every rank.
-  After its good status, a writer that dies loses only its write-through copy,
-  which the drain makes instead.
-  ``why`` says why a job asking for a write-through copy got none, else None.
+  see status.py) and answer ``("done", None)``. The caller (the request's
+  ``async_fn``, in whatever process megatron's or our queue runs it) waits for
+  that answer; if the connection breaks before the writer left a good status
+  (the caller reads it: the answer is lost with a writer killed right after
+  its status), the writer died, and the caller leaves a failure status naming
+  the file, so finalize fails on every rank.
 
 The writer dies with the trainer (``PR_SET_PDEATHSIG``, armed by the writer
 itself for the thread that started it: schedule saves from a long-lived thread)
 and is started again by the next save if it died. Jobs are written one after
-the other, in the order their ``async_fn`` connected; the next one is taken
-once a job's file is written, while its write-through copy goes on (at the
-persistent tier's pace, on a thread of its own). A job taken while an earlier
-job's copy is still under way makes none (its drain copies the file from the
-local tier): with a persistent tier slower than the saves come, each save's
-local write would otherwise queue behind the copies before it, and the local
-commit with it.
+the other, in the order their ``async_fn`` connected.
 """
 
 from __future__ import annotations
@@ -53,16 +42,15 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
 from ..format.records import ShardRecord
-from ..storage.files import unlink_quietly, written_through_name
 from ..storage.shared_memory import SharedBuffer, map_fd
-from ..storage.writer import WriteItem, preload_ops, prepare_direct_writes
+from ..storage.sinks import preload_ops, prepare_direct_writes
+from ..storage.writer import WriteItem
 from ..util.config import WriteConfig
 from ..util.errors import FastPersistError
 from ..util.per_process import PerProcess
@@ -98,8 +86,6 @@ class WriterJob:
     items: list[ItemSpec]
     config: WriteConfig
     rank: int
-    reuse_from: Optional[str] = None  # a pool of retired files to overwrite one of (storage/recycle.py)
-    copy_to: Optional[str] = None  # where a write-through copy of the file goes (a tiered save's persistent tier)
 
 
 def describe_items(items: list[WriteItem], buffer: SharedBuffer) -> list[ItemSpec]:
@@ -139,8 +125,7 @@ def _recv_exact(sock: socket.socket, n: int, start: bytes = b"") -> bytes:
 
 
 def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
-    """One message and the descriptors attached to it; ``ConnectionError`` on EOF. Reads no byte past it: a
-    job's two answers may arrive together."""
+    """One message and the descriptors attached to it; ``ConnectionError`` on EOF. Reads no byte past it."""
     first, fds, _, _ = socket.recv_fds(sock, _LEN.size, 4)
     if not first:
         raise ConnectionError("connection closed")
@@ -170,28 +155,16 @@ def write_in_writer(address: str, writer_pid: int, job: WriterJob) -> None:
     reports on every rank.
     """
     path = os.path.join(job.checkpoint_dir, job.data_file)
-    written = False
     try:
         with _connect(address) as sock:
             _send(sock, ("job", job))
             reply, _ = _recv(sock)
-            written = reply[0] == "written"
-            if written:
-                if reply[1]:
-                    logger.info("fastpersist: rank %d: %s is not written through to %s (%s); the drain copies it from "
-                                "the local tier", job.rank, path, job.copy_to, reply[1])
-                reply, _ = _recv(sock)
         if reply[0] != "done":
             raise FastPersistError(str(reply[1]))
     except (OSError, EOFError, pickle.UnpicklingError, FastPersistError) as e:
-        # A writer that dies after leaving its good status, before its answer reached us, wrote the file all the
-        # same: its status stands, whichever side of the kill its answer was.
-        written = written or (isinstance(e, (OSError, EOFError)) and left_good_status(job.checkpoint_dir, job.rank))
-        if written:  # its status is left, and good: only the write-through copy is lost
-            lost = (f"; its write-through copy to {job.copy_to} was not done: the drain copies the file instead"
-                    if job.copy_to else "")
+        if isinstance(e, (OSError, EOFError)) and left_good_status(job.checkpoint_dir, job.rank):
             logger.warning("fastpersist: rank %d: the writer process (pid %d) died after writing %s and leaving its "
-                           "status (%s: %s)%s", job.rank, writer_pid, path, type(e).__name__, e, lost)
+                           "status (%s: %s); the file stands", job.rank, writer_pid, path, type(e).__name__, e)
             return
         cause = e if isinstance(e, FastPersistError) else FastPersistError(
             f"rank {job.rank}: the writer process (pid {writer_pid}) of {path} died before it finished "
@@ -244,23 +217,20 @@ class WriterClient:
             self._share(buffer)
         return self._address, self._process.pid
 
-    def wait_ready(self, config: Optional[WriteConfig] = None, write_through: bool = False) -> None:
-        """Start the writer if needed and wait until it serves (its imports and ops take seconds).
-
-        With ``config``, also until it holds that configuration's aio handle and bounce buffer (and with
-        ``write_through``, those of its write-through copies).
-        """
+    def wait_ready(self, config: Optional[WriteConfig] = None) -> None:
+        """Start the writer if needed and wait until it serves (its imports and ops take seconds); with
+        ``config``, also until it holds that configuration's aio handle and bounce buffer."""
         address, pid = self.ensure_running()
         try:
             with _connect(address) as sock:
-                _send(sock, ("ping", config, write_through))
+                _send(sock, ("ping", config))
                 _recv(sock)
         except (OSError, EOFError) as e:
             raise FastPersistError(f"the writer process {pid} did not start ({type(e).__name__}: {e})") from e
 
     def stop(self, timeout: Optional[float] = None) -> None:
-        """Let the writer finish the jobs handed to it so far, then exit (killed after ``timeout`` s): what it
-        makes is then all there, none of it locked. A job handed to it later fails (a failure status). For a
+        """Let the writer finish the jobs handed to it so far (it serves in order), then exit (killed after
+        ``timeout`` s): what it writes is then all there. A job handed to it later fails (a failure status). For a
         process that ends (an async save never finalized: ``tiers/background.py``); a later save starts a new
         writer."""
         if self._process is None or self._process.poll() is not None:
@@ -331,83 +301,34 @@ writer_client = PerProcess(WriterClient).get
 class _Writer:
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
-        self._copying: Optional[tuple[threading.Thread, str]] = None  # a job writing its copy, and the copy's path
-        self._last: Optional[threading.Thread] = None  # the latest job's (answering "done" after its file)
 
     def handle(self, conn: socket.socket) -> bool:
-        """Serve one request, closing ``conn`` once it is answered (a job's once its copy is done too, on the job's
-        thread); False once told to stop."""
-        kept = False
+        """Serve one request; False once told to stop."""
+        message, fds = _recv(conn)
         try:
-            message, fds = _recv(conn)
-            try:
-                if message[0] == "buffer":
-                    self._maps[message[1]] = map_fd(fds[0], message[2])
-                elif message[0] == "drop":
-                    self._maps.pop(message[1], None)
-                elif message[0] == "job":
-                    self._take(conn, message[1])
-                    kept = True
-                elif message[0] == "ping":
-                    if message[1] is not None:
-                        prepare_direct_writes(message[1], message[2])
-                    _send(conn, ("pong", None))
-                elif message[0] == "stop":
-                    self._finish_jobs()
-                    return False
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            if message[0] == "buffer":
+                self._maps[message[1]] = map_fd(fds[0], message[2])
+            elif message[0] == "drop":
+                self._maps.pop(message[1], None)
+            elif message[0] == "job":
+                _send(conn, self._write(message[1]))
+            elif message[0] == "ping":
+                if message[1] is not None:
+                    prepare_direct_writes(message[1])
+                _send(conn, ("pong", None))
+            elif message[0] == "stop":
+                return False
         finally:
-            if not kept:
-                conn.close()
+            for fd in fds:
+                os.close(fd)
         return True
 
-    def _finish_jobs(self) -> None:
-        """Wait until the jobs taken have answered "done" (a write-through copy under way finished)."""
-        for thread in (self._copying[0] if self._copying else None, self._last):
-            if thread is not None:
-                thread.join()
-
-    def _take(self, conn: socket.socket, job: WriterJob) -> None:
-        """Run ``job`` on a thread of its own that answers on ``conn``; return once its file is written (or it
-        failed), the copy, if any, going on there."""
-        why = None
-        if job.copy_to is not None and self._copying is not None and self._copying[0].is_alive():
-            why = f"the writer was still writing an earlier save's copy, {self._copying[1]}"
-            unlink_quietly(written_through_name(job.copy_to))  # an earlier save's, never taken, as a copy does
-            job = replace(job, copy_to=None)
-        written = threading.Event()
-        thread = threading.Thread(target=self._run, args=(conn, job, why, written), name="fastpersist-job",
-                                  daemon=True)
-        thread.start()
-        written.wait()
-        self._last = thread
-        if job.copy_to is not None:
-            self._copying = (thread, job.copy_to)
-
-    def _run(self, conn: socket.socket, job: WriterJob, why: Optional[str], written: threading.Event) -> None:
-        def tell() -> None:
-            _tell_written(conn, why)
-            written.set()
-
-        try:
-            _send(conn, self._write(job, tell))
-        except OSError as e:
-            logger.warning("fastpersist: writer: the caller of the job of %s is gone: %s", job.data_file, e)
-        except Exception:  # noqa: BLE001 - after its status: the copy is lost (the drain makes it), not the writer
-            logger.exception("fastpersist: writer: the job of %s failed after its file was written", job.data_file)
-        finally:
-            written.set()
-            conn.close()
-
-    def _write(self, job: WriterJob, reported: Callable[[], None]) -> tuple[str, Optional[str]]:
+    def _write(self, job: WriterJob) -> tuple[str, Optional[str]]:
         try:
             items = [WriteItem(s.record, self._bytes(s), s.prefix, s.suffix) for s in job.items]
         except KeyError as e:
             return "error", f"rank {job.rank}: the writer of {job.data_file} has no snapshot buffer {e}"
-        write_and_report(job.checkpoint_dir, items, job.config, job.rank, job.data_file, job.reuse_from,
-                         job.copy_to, reported)
+        write_and_report(job.checkpoint_dir, items, job.config, job.rank, job.data_file)
         return "done", None
 
     def _bytes(self, spec: ItemSpec) -> torch.Tensor:
@@ -416,15 +337,6 @@ class _Writer:
                 return torch.empty(0, dtype=torch.uint8)
             return torch.frombuffer(bytearray(spec.inline), dtype=torch.uint8)
         return self._maps[spec.buffer][1][spec.offset : spec.offset + spec.nbytes]
-
-
-def _tell_written(conn: socket.socket, why: Optional[str]) -> None:
-    """Tell the caller the job's status is left, and ``why`` it makes no write-through copy if it asked for one
-    (a caller gone meanwhile is told nothing: the job goes on)."""
-    try:
-        _send(conn, ("written", why))
-    except OSError as e:
-        logger.warning("fastpersist: writer: the caller of a job is gone: %s", e)
 
 
 def _peer_uid(conn: socket.socket) -> int:
@@ -448,12 +360,12 @@ def main(argv: list[str]) -> None:
     uid = os.getuid()
     while True:
         conn, _ = listener.accept()
-        if _peer_uid(conn) != uid:
-            logger.warning("fastpersist: writer refused a connection from uid %d", _peer_uid(conn))
-            conn.close()
-            continue
-        try:
-            if not writer.handle(conn):
-                return
-        except (OSError, EOFError, pickle.UnpicklingError) as e:  # that caller is gone; serve the next
-            logger.warning("fastpersist: writer: a request failed: %s", e)
+        with conn:
+            if _peer_uid(conn) != uid:
+                logger.warning("fastpersist: writer refused a connection from uid %d", _peer_uid(conn))
+                continue
+            try:
+                if not writer.handle(conn):
+                    return
+            except (OSError, EOFError, pickle.UnpicklingError) as e:  # that caller is gone; serve the next
+                logger.warning("fastpersist: writer: a request failed: %s", e)

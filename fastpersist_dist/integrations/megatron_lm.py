@@ -68,8 +68,7 @@ NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's default home of non-pe
 DEFAULT_FACTOR = 2  # Megatron-LM's --replication-factor: the machines holding a rank's data, its own included
 # The runner's own flags for what Megatron-LM has no flag for (TierConfig's), taken out before Megatron-LM parses
 KEEP_LOCAL_FLAG = "--fastpersist-keep-local"
-WRITE_THROUGH_FLAG, DRAIN_WHILE_WRITING_FLAG = "--fastpersist-write-through", "--fastpersist-drain-while-writing"
-RUNNER_FLAGS = (KEEP_LOCAL_FLAG, WRITE_THROUGH_FLAG, DRAIN_WHILE_WRITING_FLAG)
+RUNNER_FLAGS = (KEEP_LOCAL_FLAG,)
 
 
 @dataclass(frozen=True)
@@ -91,15 +90,13 @@ def translate_local_flags(argv: list[str]) -> LocalCheckpointFlags:
     ``SAVE/non_persistent``), which stay local (replicated, never copied to the
     persistent tier); its persistent ones (``--save-interval``) are copied to
     ``--save`` in the background. The runner's own ``--fastpersist-keep-local
-    N``, ``--fastpersist-write-through`` and ``--fastpersist-drain-while-writing``
-    set ``TierConfig``'s ``keep_local``, ``write_through`` and
-    ``drain_while_writing`` (with local checkpoints only). Other arguments pass
-    unchanged.
+    N`` sets ``TierConfig``'s ``keep_local`` (with local checkpoints only).
+    Other arguments pass unchanged.
     """
     values: dict[str, Optional[str]] = {}
     rest: list[str] = []
     takes_value = (TYPE_FLAG, LOCAL_DIR_FLAG, FACTOR_FLAG, KEEP_LOCAL_FLAG, *DROPPED_FLAGS)
-    switches = (REPLICATION_FLAG, WRITE_THROUGH_FLAG, DRAIN_WHILE_WRITING_FLAG)
+    switches = (REPLICATION_FLAG,)
     i = 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
@@ -133,9 +130,7 @@ def translate_local_flags(argv: list[str]) -> LocalCheckpointFlags:
     try:
         keep = values.get(KEEP_LOCAL_FLAG)
         tiers = TierConfig(os.path.abspath(local_dir), replicas=factor - 1, local_only_under=non_persistent,
-                           keep_local=int(keep) if keep else TierConfig.keep_local,
-                           write_through=WRITE_THROUGH_FLAG in values,
-                           drain_while_writing=DRAIN_WHILE_WRITING_FLAG in values)
+                           keep_local=int(keep) if keep else TierConfig.keep_local)
     except ValueError as e:
         raise FastPersistError(f"{' '.join(ours)}: {e}") from e
     return LocalCheckpointFlags([*rest, TYPE_FLAG, "global"], tiers)
@@ -229,9 +224,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if flags.tiers is not None:                               # pretrain_gpt.py: its megatron.training imports)
         (logger.info if os.environ.get("RANK", "0") == "0" else logger.debug)(
             "fastpersist: Megatron-LM's local checkpoints go to %s on each node with %d replicas, the last %d kept "
-            "there; persistent ones are then copied to --save%s, non-persistent ones (under %s) stay local",
-            flags.tiers.local_dir, flags.tiers.replicas, flags.tiers.keep_local,
-            " (written through by each rank's writer)" if flags.tiers.write_through else
-            " (while they are written)" if flags.tiers.drain_while_writing else "", flags.tiers.local_only_under)
+            "there; persistent ones are then copied to --save, non-persistent ones (under %s) stay local",
+            flags.tiers.local_dir, flags.tiers.replicas, flags.tiers.keep_local, flags.tiers.local_only_under)
     enable(tiers=flags.tiers)
     runpy.run_path(script, run_name="__main__")

@@ -3,31 +3,24 @@
 A tiered checkpoint moves as files: from a node's local tier to the
 persistent one, to other nodes' local tiers (replicas), and back from object
 storage into a local tier for a load (``engine/tiers/``). Whatever carries
-the bytes, they go in chunks of whole checksum blocks (:func:`chunk_plan`; a
+the bytes, they go in chunks of whole checksum blocks (``storage/spans.py``; a
 file-to-file copy in windows, :func:`window_plan`, read ahead while the last is
-written), and each block is checked against the index (:func:`check_chunk`)
-before it is passed on: a byte that rotted in the source, or one damaged in
-transit, never reaches the destination, and the error names the file, the
-byte offset and the record. A destination file appears whole or not at all (a temporary name,
-fsync, rename, fsync of the directory). Destinations are written with
-O_DIRECT where the filesystem takes it and is not in memory: a drain does not
-fill the page cache the training step needs, and on a disk it runs at the
-device's speed instead of the page cache's write-back.
-
-:class:`CheckedFile` is the same for a reader that pulls the bytes itself (an
-object-store client uploading a file): a seekable read-only file whose reads
-return checked bytes only. :func:`check_file` checks a file in place, for a
-client that reads it by its path.
+written), and each block is checked against the index before it is passed on:
+a byte that rotted in the source, or one damaged in transit, never reaches the
+destination, and the error names the file, the byte offset and the record. A
+destination file appears whole or not at all (a temporary name, fsync, rename,
+fsync of the directory). Destinations are written with O_DIRECT where the
+filesystem takes it and is not in memory: a drain does not fill the page cache
+the training step needs, and on a disk it runs at the device's speed instead of
+the page cache's write-back.
 """
 
 from __future__ import annotations
 
-import io
 import mmap
 import os
 import queue
 import time
-from bisect import bisect_right
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -37,108 +30,12 @@ from itertools import islice
 from typing import Callable, Iterator, Optional
 
 from ..format.checksum import digest_bytes
-from ..format.records import ShardRecord
 from ..util.beside import Beside
 from ..util.errors import CorruptCheckpointError, FastPersistError
 from .files import process_temporary, replace_durably, reserve_room, unlink_quietly
+from .checked_read import in_memory, mapping, open_source
 from .mounts import on_memory_filesystem
-from .recycle import take
-
-CHUNK_BYTES = 64 << 20  # moved per step (a whole number of checksum blocks, at least one)
-
-
-@dataclass(frozen=True)
-class Span:
-    """One checksum block of a data file: bytes [start, end) of the file, block ``block`` of ``record``."""
-
-    start: int
-    end: int
-    record: ShardRecord
-    block: int
-
-
-def block_layout(records: list[ShardRecord], block_bytes: int) -> list[Span]:
-    """The checksum blocks of ``records`` in file order (each record's bytes cut every ``block_bytes`` from its
-    start), whether or not their checksums are known yet (a file still being written)."""
-    return [Span(r.offset + b * block_bytes, r.offset + min(r.length, (b + 1) * block_bytes), r, b)
-            for r in sorted(records, key=lambda r: r.offset) for b in range(-(-r.length // block_bytes))]
-
-
-def block_spans(records: list[ShardRecord], block_bytes: int, size: int, where: str) -> list[Span]:
-    """Every checksum block of a data file of ``size`` bytes in file order (``where``: the file, for errors).
-
-    Raises ``CorruptCheckpointError`` where the records do not cover the file
-    back to back or lack a block's checksum.
-    """
-    records = sorted(records, key=lambda r: r.offset)
-    if sum(r.length for r in records) != size or any(a.offset + a.length != b.offset
-                                                     for a, b in zip(records, records[1:])) or (
-            records and records[0].offset != 0):
-        raise CorruptCheckpointError(f"{where}: the records of the index do not cover its {size} bytes back to back")
-    for r in records:
-        blocks = -(-r.length // block_bytes)
-        if len(r.checksums) != blocks:
-            raise CorruptCheckpointError(f"{where}: {r.describe()} has {len(r.checksums)} checksums for {blocks} "
-                                         "blocks")
-    return block_layout(records, block_bytes)
-
-
-def chunk_plan(spans: list[Span], chunk_bytes: int = CHUNK_BYTES) -> list[list[Span]]:
-    """``spans`` grouped into runs of at most ``chunk_bytes`` (at least one span each): what moves per step.
-
-    Both ends of a transfer derive the same plan from the same index.
-    """
-    chunks: list[list[Span]] = []
-    for s in spans:
-        if chunks and s.end - chunks[-1][0].start <= chunk_bytes:
-            chunks[-1].append(s)
-        else:
-            chunks.append([s])
-    return chunks
-
-
-def check_chunk(data: bytes | memoryview, chunk: list[Span], where: str, who: str) -> None:
-    """Every block of ``data`` (the bytes of ``chunk``) against its checksum; raises naming the first bad one."""
-    view = memoryview(data)
-    base = chunk[0].start
-    if len(view) != chunk[-1].end - base:
-        raise CorruptCheckpointError(f"{who}: {where}: {len(view)} bytes where bytes {base}..{chunk[-1].end} "
-                                     "were expected (a short read)")
-    for s in chunk:
-        if digest_bytes(view[s.start - base : s.end - base]) != s.record.checksums[s.block]:
-            raise CorruptCheckpointError(
-                f"{who}: checksum mismatch in {where} at byte offset {s.start} (block {s.block} of "
-                f"{s.record.describe()}): this copy is damaged, it was not copied on")
-
-
-def read_chunk_into(fd: int, chunk: list[Span], buffer: bytearray, where: str, who: str) -> memoryview:
-    """The bytes of ``chunk`` read from ``fd`` into ``buffer`` (reused: no page faults per chunk); not checked."""
-    want = chunk[-1].end - chunk[0].start
-    view = memoryview(buffer)[:want]
-    got = os.preadv(fd, [view], chunk[0].start)
-    if got != want:
-        raise CorruptCheckpointError(f"{who}: short read of {where} at byte {chunk[0].start + got}")
-    return view
-
-
-def check_file(src: str, spans: list[Span], size: int, who: str) -> None:
-    """Every block of the local data file ``src`` (``size`` bytes, ``spans`` its blocks) against its checksum,
-    read a chunk at a time into one reused buffer (in memory, a tmpfs: hashed where it is, mapped); raises
-    ``CorruptCheckpointError`` naming the first bad one."""
-    fd = _open_source(src, who, size)
-    try:
-        chunks = chunk_plan(spans)
-        whole = _mapped_if_in_memory(fd, src, size)
-        if whole is not None:
-            for chunk in chunks:
-                check_chunk(whole[chunk[0].start : chunk[-1].end], chunk, src, who)
-            return
-        buffer = bytearray(max((c[-1].end - c[0].start for c in chunks), default=0))
-        for chunk in chunks:
-            check_chunk(read_chunk_into(fd, chunk, buffer, src, who), chunk, src, who)
-    finally:
-        os.close(fd)
-
+from .spans import CHUNK_BYTES, Span, check_chunk
 
 DIRECT_ALIGN = 4096  # O_DIRECT's alignment of memory, file offsets and lengths
 STAGING_BYTES = CHUNK_BYTES  # an O_DIRECT destination's page-aligned staging buffer
@@ -149,20 +46,16 @@ class AtomicFile:
 
     With O_DIRECT (see the module) the bytes pass through a page-aligned
     staging buffer, written in whole aligned blocks; the last one is padded and
-    the file cut back to its length at :meth:`commit`. On an in-memory
-    filesystem, ``reuse_from`` (a pool of retired files, ``storage/recycle.py``)
-    gives a file to overwrite in place where it holds one (:attr:`reused`),
-    also cut to its length at :meth:`commit`.
+    the file cut back to its length at :meth:`commit`.
     """
 
-    def __init__(self, path: str, reuse_from: Optional[str] = None):
+    def __init__(self, path: str):
         self.path = path
         self._tmp = process_temporary(path)
         self._fd: Optional[int] = None
         self._staging: Optional[mmap.mmap] = None
         self._staged = 0  # bytes in the staging buffer, not yet written
         self._length = 0  # bytes given to write()
-        self.reused = False
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         if not on_memory_filesystem(os.path.dirname(path) or "."):
             if hasattr(os, "O_DIRECT"):
@@ -171,9 +64,6 @@ class AtomicFile:
                     self._staging = mmap.mmap(-1, STAGING_BYTES)
                 except OSError:  # the filesystem refuses O_DIRECT: through the page cache
                     self._fd = None
-        elif reuse_from is not None and take(reuse_from, self._tmp):
-            self.reused = True
-            flags &= ~os.O_TRUNC  # its pages are written again, not freed and allocated again
         if self._fd is None:
             self._fd = os.open(self._tmp, flags, 0o644)
 
@@ -221,7 +111,7 @@ class AtomicFile:
             self._staging[self._staged : padded] = bytes(padded - self._staged)
             self._staged = padded
             self._flush(padded)
-        if self._staging is not None or self.reused:  # the last block's padding, or the longer file's tail
+        if self._staging is not None:  # the last block's padding
             os.ftruncate(self._fd, self._length)
         os.fsync(self._fd)
         self._close()
@@ -339,19 +229,17 @@ Check = Callable[[memoryview, list[Span]], None]  # the bytes of some blocks, st
 
 def _read_windows(fd: int, windows: list[Window], free: queue.Queue[Optional[mmap.mmap]],
                   ready: queue.Queue[tuple[Window, mmap.mmap, mmap.mmap] | BaseException], where: str, who: str,
-                  check: Check, wait: Callable[[int], None], mapped: bool) -> None:
-    """The reading end of a windowed copy: each window, once ``wait(end)`` returned for its last byte, read into
-    a free buffer (``mapped``: mapped from the file instead, see :func:`_copy_windows`), and its blocks given
-    to ``check``, in order."""
+                  check: Check, mapped: bool) -> None:
+    """The reading end of a windowed copy: each window read into a free buffer (``mapped``: mapped from the file
+    instead, see :func:`_copy_windows`), and its blocks given to ``check``, in order."""
     try:
         previous: Optional[tuple[Window, mmap.mmap]] = None
         for w in windows:
             buffer = free.get()
             if buffer is None:  # the writing end gave up
                 return
-            wait(w.read_end)
             if mapped:
-                data = _mapping(fd, w.read_end - w.start, w.start)
+                data = mapping(fd, w.read_end - w.start, w.start)
             else:
                 data, carried = buffer, 0
                 if previous is not None:  # bytes past the previous window's stop, checked there
@@ -372,7 +260,7 @@ def _read_windows(fd: int, windows: list[Window], free: queue.Queue[Optional[mma
 
 
 def _copy_windows(fd: int, out: AtomicFile, windows: list[Window], where: str, who: str, check: Check,
-                  wait: Callable[[int], None] = lambda end: None, mapped: bool = False) -> None:
+                  mapped: bool = False) -> None:
     """``windows`` of ``fd`` (``where``) appended to ``out``: a thread reads and checks the next window while
     this one writes the last (two page-aligned buffers), so a copy takes about as long as the slower of reading
     and writing, and no byte is copied in memory on the way to an O_DIRECT destination.
@@ -392,7 +280,7 @@ def _copy_windows(fd: int, out: AtomicFile, windows: list[Window], where: str, w
     most = -(-max(w.read_end - w.start for w in windows) // DIRECT_ALIGN) * DIRECT_ALIGN
     for _ in range(min(2, len(windows))):  # unmapped when no view of them is left (an error may hold one)
         free.put(mmap.mmap(-1, most))  # mapped: a window in flight each, never touched
-    reader = Beside(partial(_read_windows, fd, windows, free, ready, where, who, check, wait, mapped),
+    reader = Beside(partial(_read_windows, fd, windows, free, ready, where, who, check, mapped),
                     "fastpersist-copy-read")
     try:
         for _ in windows:
@@ -408,57 +296,6 @@ def _copy_windows(fd: int, out: AtomicFile, windows: list[Window], where: str, w
         reader.join()
 
 
-def _in_memory(src: str) -> bool:
-    """Whether ``src`` is on an in-memory filesystem: its windows are mapped, not read (:func:`_copy_windows`)."""
-    return on_memory_filesystem(os.path.dirname(src) or ".")
-
-
-def _mapping(fd: int, length: int, offset: int = 0, writable: bool = False) -> mmap.mmap:
-    """Bytes [offset, offset + length) of the file ``fd``, mapped read-only (``offset`` page-aligned); or
-    ``writable``, copy-on-write: for a consumer that takes only writable memory (a tensor), never written."""
-    if writable:
-        return mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
-    return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
-
-
-def _mappable(src: str, size: int) -> bool:
-    """Whether ``size`` bytes of ``src`` are better mapped than read: some, in memory (nothing to read ahead)."""
-    return bool(size) and _in_memory(src)
-
-
-def _mapped_if_in_memory(fd: int, src: str, size: int) -> Optional[memoryview]:
-    """The whole of ``src`` (open as ``fd``, ``size`` bytes) mapped where it is in memory, else None: read it."""
-    return memoryview(_mapping(fd, size)) if _mappable(src, size) else None
-
-
-def sendable_in_place(fd: int, src: str, size: int) -> bool:
-    """Whether ``src`` (open as ``fd``) is in memory and holds ``size`` bytes: sent from its own pages
-    (:func:`pages_to_send`), its bytes are copied once (into the socket) rather than twice."""
-    return _mappable(src, size) and os.fstat(fd).st_size >= size
-
-
-def pages_to_send(fd: int, start: int, end: int) -> memoryview:
-    """Bytes [start, end) of the file ``fd``, mapped copy-on-write: writable for a consumer that takes only
-    writable memory (a tensor to send), never written; unmapped when the last view of it goes."""
-    base = start - start % mmap.ALLOCATIONGRANULARITY
-    return memoryview(_mapping(fd, end - base, base, writable=True))[start - base :]
-
-
-def _open_source(src: str, who: str, size: int) -> int:
-    """``src`` opened for reading, once it is found to hold the ``size`` bytes its index says."""
-    try:
-        fd = os.open(src, os.O_RDONLY)
-    except FileNotFoundError:
-        raise FastPersistError(f"{who}: {src} is missing") from None
-    except OSError as e:
-        raise FastPersistError(f"{who}: cannot open {src}: {e}") from e
-    actual = os.fstat(fd).st_size
-    if actual != size:
-        os.close(fd)
-        raise CorruptCheckpointError(f"{who}: {src} has {actual} bytes, the index says {size}")
-    return fd
-
-
 def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, window: int = CHUNK_BYTES,
                  reserve: bool = False) -> float:
     """Copy data file ``src`` (``size`` bytes, ``spans`` its blocks: :func:`block_spans`) to ``dst``, ``window``
@@ -468,61 +305,24 @@ def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, win
     Raises like :func:`receive_checked`.
     """
     start = time.perf_counter()
-    fd = _open_source(src, who, size)
+    fd = open_source(src, who, size)
     try:
         with _written_whole(dst, src, who, size if reserve else None) as out:
             _copy_windows(fd, out, window_plan(spans, size, window), src, who,
-                          lambda data, chunk: check_chunk(data, chunk, src, who), mapped=_in_memory(src))
+                          lambda data, chunk: check_chunk(data, chunk, src, who), mapped=in_memory(src))
     finally:
         os.close(fd)
     return time.perf_counter() - start
 
 
 @dataclass
-class WrittenThrough:
-    """A rank's write-through copy (``storage/writer.py``), written and checked by its writer beside the file
-    whose checksums the index holds, waiting under its temporary name (``written_through_name``)."""
-
-    tmp: str
-    path: str
-
-    def commit_if(self, spans: list[Span]) -> bool:
-        """Put the copy in place if it is the file ``spans`` cover: its size, and its first and last blocks
-        holding their checksums (its writer checked it as it checks the local file; these tell it from a copy
-        another save left), else remove it."""
-        try:
-            fd = os.open(self.tmp, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            ours = os.fstat(fd).st_size == (spans[-1].end if spans else 0)
-            for s in spans[:1] + spans[-1:] if ours else []:
-                check_chunk(os.pread(fd, s.end - s.start, s.start), [s], self.tmp, "write-through copy")
-        except CorruptCheckpointError:
-            ours = False
-        finally:
-            os.close(fd)
-        if not ours:
-            self.abandon()
-            return False
-        replace_durably(self.tmp, self.path)
-        self.tmp = ""
-        return True
-
-    def abandon(self) -> None:
-        """Remove the copy (no-op once committed)."""
-        if self.tmp:
-            unlink_quietly(self.tmp)
-
-
-@dataclass
 class PendingCopy:
-    """A copy made while its source was still being written: under its temporary name, with the digest of
-    each block it read, until :meth:`commit_if` finds them equal to the checksums the writer computed."""
+    """A copy made before its source's checksums were known: under its temporary name, with the digest of
+    each block it read, until :meth:`commit_if` finds them equal to the checksums of the index."""
 
     out: AtomicFile
     digests: list[tuple[int, int, str]]  # (start, end, XXH3) of each block, in file order
-    seconds: float  # from its first read to its last write (not the wait for the source's first bytes)
+    seconds: float  # from its first read to its last write
 
     def commit_if(self, spans: list[Span]) -> bool:
         """Commit the copy if it holds exactly the blocks ``spans`` (:func:`block_spans`), else remove it."""
@@ -537,18 +337,16 @@ class PendingCopy:
         self.out.abandon()
 
 
-def copy_following(fd: int, src: str, dst: str, layout: list[Span], size: int, who: str,
-                   wait: Callable[[int], None], window: int = CHUNK_BYTES) -> PendingCopy:
-    """Copy ``src`` (open as ``fd``; ``size`` bytes when written, ``layout`` its blocks: :func:`block_layout`)
-    to ``dst`` while it is being written, each window read once ``wait(end)`` says its bytes are final.
+def copy_pending(src: str, dst: str, layout: list[Span], size: int, who: str,
+                 window: int = CHUNK_BYTES) -> PendingCopy:
+    """Copy data file ``src`` (``size`` bytes, ``layout`` its blocks: :func:`block_layout`) to ``dst`` before its
+    checksums are known (a rank's file once written, before its checkpoint's index is committed).
 
-    The checksums are not known yet, so each block's digest is kept and the
-    copy stays under its temporary name: :meth:`PendingCopy.commit_if` puts it
-    in place once the writer's checksums match, and otherwise removes it (the
-    source changed, or the wait was wrong). ``wait`` raises to give up; an
-    error removes the copy and raises like :func:`receive_checked`. Its
-    ``size`` bytes are allocated first (it goes into a persistent directory:
-    ``files.reserve_room``).
+    Each block's digest is kept and the copy stays under its temporary name:
+    :meth:`PendingCopy.commit_if` puts it in place once the index's checksums
+    match, and otherwise removes it. An error removes the copy and raises like
+    :func:`receive_checked`. Its ``size`` bytes are allocated first (it goes
+    into a persistent directory: ``files.reserve_room``).
     """
     digests: list[tuple[int, int, str]] = []
 
@@ -556,78 +354,11 @@ def copy_following(fd: int, src: str, dst: str, layout: list[Span], size: int, w
         base = chunk[0].start
         digests.extend((s.start, s.end, digest_bytes(data[s.start - base : s.end - base])) for s in chunk)
 
-    with _removed_on_error(dst, src, who, size) as out:
-        wait(min(size, window))
-        start = time.perf_counter()
-        _copy_windows(fd, out, window_plan(layout, size, window), src, who, keep, wait, _in_memory(src))
+    fd = open_source(src, who, size)
+    try:
+        with _removed_on_error(dst, src, who, size) as out:
+            start = time.perf_counter()
+            _copy_windows(fd, out, window_plan(layout, size, window), src, who, keep, in_memory(src))
+    finally:
+        os.close(fd)
     return PendingCopy(out, digests, time.perf_counter() - start)
-
-
-class CheckedFile(io.RawIOBase):
-    """A local data file, read-only and seekable, whose reads return only bytes checked against the index.
-
-    For clients that pull a file's bytes themselves (an object store's upload):
-    each checksum block a read touches is read whole and checked once; the
-    last one is kept, so sequential reads of any size read every byte once.
-    A file in memory (a tmpfs) is mapped: its blocks are checked and passed on
-    where they are, not read into buffers first.
-    """
-
-    def __init__(self, path: str, spans: list[Span], size: int, who: str):
-        super().__init__()
-        self.path, self._spans, self._size, self._who = path, spans, size, who
-        self._fd = -1  # until open: a close() (the garbage collector's) must not close a reused number
-        self._fd = _open_source(path, who, size)
-        self._mapped = _mapped_if_in_memory(self._fd, path, size)
-        self._pos = 0
-        self._held: tuple[int, memoryview] = (-1, memoryview(b""))  # (span index, its checked bytes)
-        self._starts = [s.start for s in spans]
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
-        out = memoryview(buffer).cast("B")
-        done = 0
-        while done < len(out) and self._pos < self._size:
-            i = self._span_at(self._pos)
-            span, data = self._spans[i], self._checked(i)
-            piece = data[self._pos - span.start : self._pos - span.start + len(out) - done]
-            out[done : done + len(piece)] = piece
-            done += len(piece)
-            self._pos += len(piece)
-        return done
-
-    def close(self) -> None:
-        if not self.closed and self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        self._mapped = None  # unmapped once the last block handed out is dropped too
-        self._held = (-1, memoryview(b""))
-        super().close()
-
-    def _span_at(self, pos: int) -> int:
-        return bisect_right(self._starts, pos) - 1
-
-    def _checked(self, i: int) -> memoryview:
-        if self._held[0] != i:
-            chunk = [self._spans[i]]
-            if self._mapped is not None:
-                data = self._mapped[chunk[0].start : chunk[-1].end]
-            else:
-                data = read_chunk_into(self._fd, chunk, bytearray(chunk[0].end - chunk[0].start), self.path,
-                                       self._who)
-            check_chunk(data, chunk, self.path, self._who)
-            self._held = (i, data)  # its own buffer (or the mapping's bytes), checked once per block
-        return self._held[1]

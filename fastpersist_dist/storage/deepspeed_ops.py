@@ -234,16 +234,15 @@ class AioResources:
         self.buffer = self.handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
 
 
-_RESOURCES: dict[tuple[int, AioSettings, int], AioResources] = {}
+_RESOURCES: dict[tuple[int, AioSettings], AioResources] = {}
 # Handles inherited over fork: kept referenced forever, since destroying one in the
 # child would join worker threads that do not exist there.
 _INHERITED: list[AioResources] = []
 
 
-def aio_resources(settings: AioSettings, slot: int = 0) -> AioResources:
-    """This process's aio handle + bounce buffer for ``settings``, created on first use; ``slot``: another set,
-    for a second file written at the same time (a write-through copy), since a bounce buffer serves one file."""
-    key = (os.getpid(), settings, slot)
+def aio_resources(settings: AioSettings) -> AioResources:
+    """This process's aio handle + bounce buffer for ``settings``, created on first use."""
+    key = (os.getpid(), settings)
     res = _RESOURCES.get(key)
     if res is None:
         for stale in [k for k in _RESOURCES if k[0] != os.getpid()]:

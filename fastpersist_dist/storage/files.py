@@ -130,12 +130,6 @@ def process_temporary(path: str) -> str:
     return f"{path}.{os.getpid()}{TMP_SUFFIX}"
 
 
-def written_through_name(path: str) -> str:
-    """Where a writer leaves its complete write-through copy of ``path`` (``storage/writer.py``) until the
-    checkpoint is committed and the copy put in place."""
-    return f"{path}.through{TMP_SUFFIX}"
-
-
 def replace_durably(tmp: str, path: str) -> None:
     """Rename the complete (fsynced) file ``tmp`` over ``path``, the rename made durable: readers see the old
     file, or the whole new one, after a crash too."""

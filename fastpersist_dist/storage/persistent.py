@@ -22,7 +22,9 @@ from typing import Any, Optional
 
 from ..util.beside import Beside, all_results, pools_refuse_work
 from ..util.errors import CorruptCheckpointError, FastPersistError
-from .copy import CheckedFile, Span, check_file, chunk_plan, copy_checked, receive_checked
+from .checked_read import CheckedFile, check_file
+from .copy import copy_checked, receive_checked
+from .spans import Span, chunk_plan
 from .files import atomic_write, unlink_quietly
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Callable, Optional, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 
@@ -19,6 +19,7 @@ from ..format.checksum import first_bad_block
 from ..format.layout import Extent, Shape, blocks_touched, c_strides, coalesce, contiguous_runs
 from ..format.records import CheckpointIndex, ShardRecord, dtype_from_name, tensor_bytes
 from ..util.errors import CorruptCheckpointError, FastPersistError
+from ..util.events import NEXT_COPY, event
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class ShardReader:
                 self._dropped.append(fd)
             self._choice[name] = choice + 1
         logger.warning("fastpersist: %s: %s; reading %s from its next copy, %s", self.who, why, name,
-                       self.path(name))
+                       self.path(name), extra=event(NEXT_COPY, file=name, why=why))
         return True
 
     def __enter__(self) -> "ShardReader":
@@ -127,6 +128,19 @@ class ShardReader:
         """Open (and size-check) ``names`` now, before reads run on several threads."""
         for name in sorted(names):
             self._fd(name)
+
+    def reachable(self, names: Iterable[str]) -> frozenset[str]:
+        """Those of ``names`` of which a copy opens here, of the size the index says (each copy tried in turn,
+        nearest first; one that fails is left for the next, with a warning)."""
+        found = set()
+        for name in sorted(set(names)):
+            try:
+                self._fd(name)
+            except FastPersistError as e:
+                logger.debug("fastpersist: %s: no copy of %s opens here: %s", self.who, name, e)
+                continue
+            found.add(name)
+        return frozenset(found)
 
     def _fd(self, name: str) -> int:
         with self._lock:
@@ -162,6 +176,8 @@ class ShardReader:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.who}: data file {path} listed in the index is missing") from None
+        except OSError as e:  # this copy cannot be read (an I/O error, a directory out of reach): the next one may
+            raise CorruptCheckpointError(f"{self.who}: data file {path} cannot be opened: {e}") from e
         size = os.fstat(fd).st_size
         if size != self.index.files[name]:
             os.close(fd)

@@ -99,7 +99,7 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         plans them and allocates their snapshot buffer, which the first async
         save call would otherwise do while training waits.
         """
-        self._engine.load_ops(self.tiers is not None and self.tiers.write_through)
+        self._engine.load_ops()
         if sharded_state_dict is not None:
             sharded, common = preprocessed(sharded_state_dict)
             self._engine.reserve_snapshot(compat.strategy_input(sharded, common, dist.get_rank()))

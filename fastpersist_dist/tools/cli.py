@@ -1,4 +1,5 @@
-"""The commands of ``fastpersist-dist``: ``bench``, ``sweep``, ``simulate``, ``verify``, ``inspect``, ``build-ops``.
+"""The commands of ``fastpersist-dist``: ``bench``, ``sweep``, ``simulate``, ``verify``, ``inspect``, ``build-ops``,
+``report``.
 
 ``fastpersist_dist_cli`` parses and checks the arguments without importing this
 package, then calls the function of the same name here (exit codes there).
@@ -62,10 +63,11 @@ def bench(args: argparse.Namespace) -> int:
         return 2
 
     from .bench import runner
+    from .bench.table import format_table
 
     cfg = _bench_config(args, contenders=tuple(args.contenders.split(",")), keep=args.keep, write=write)
     rep = runner.run(cfg)
-    print(runner.format_table(rep))
+    print(format_table(rep))
     _write_json(args.json, rep)
     if args.plot:
         from .bench.plot import plot_report
@@ -84,16 +86,27 @@ def sweep(args: argparse.Namespace) -> int:
 
 def bench_train(args: argparse.Namespace) -> int:
     """``bench-train``: a training loop with async checkpoints, ours against megatron's."""
-    from .bench.training_loop import format_loop_table, run_checked
+    from .bench.loop_report import format_loop_table
+    from .bench.training_loop import run_checked
 
     rep = run_checked(_bench_config(args), args.steps, args.every, args.contenders, args.compute_ms,
-                      args.local_dir, args.persistent,
-                      args.drain_while_writing == "on", args.nodes, args.write_through == "on", args.share_reads)
+                      args.local_dir, args.persistent, args.nodes, args.share_reads)
     if rep is None:
         return 2
     print(format_loop_table(rep))
     _write_json(args.json, rep)
     return 0
+
+
+def report(args: argparse.Namespace) -> int:
+    """``report``: the docs' benchmarks measured (or read ``--from-json``), saved as JSON, rendered into the pages."""
+    from .report.command import Settings
+    from .report.command import report as fill_report
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("fastpersist_dist.tools.report").setLevel(logging.INFO)  # its progress lines
+    settings = Settings(directory=args.dir, shm_dir=args.shm_dir, gib=args.gib, reps=args.reps)
+    return fill_report(args.pages, settings, args.json, args.from_json)
 
 
 def _examine(command: str, examine: Callable[[str], Any], directory: str) -> Any:
@@ -169,4 +182,4 @@ def _write_json(path: Optional[str], report: Any) -> None:
             json.dump(report, f, indent=1)
 
 
-__all__ = ["bench", "bench_train", "build_ops", "inspect", "simulate", "sweep", "verify"]
+__all__ = ["bench", "bench_train", "build_ops", "inspect", "report", "simulate", "sweep", "verify"]

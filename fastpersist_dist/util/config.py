@@ -185,26 +185,6 @@ class TierConfig:
         local only, as with ``persistent=False``; the others are copied to the
         persistent tier. Megatron-LM's non-persistent checkpoints go there
         (``fastpersist_dist.megatron_lm``).
-    drain_while_writing: an async save's data files start their copy to a
-        persistent directory while the writer is still writing them into the
-        local tier, rather than once it has written them (either way before
-        the local commit, put in place after it once they match the index):
-        durable sooner, but the copy competes with the local write and the
-        training loop (off by default: with 8 cores per rank the loop lost
-        three to four times as much per checkpoint with it;
-        docs/tiers.md#benchmark).
-    write_through: an async save's writer writes each data file into a
-        persistent directory too, from the same snapshot, on a thread of its
-        own beside the local write (its own aio handle and bounce buffer:
-        ``io_buffer_mb`` more locked memory per writer), checked as the local
-        file is; the drain puts it in place after the local commit. Durable at
-        about the persistent tier's bandwidth from the call, while the local
-        commit waits for the local write only; a save that comes while an
-        earlier one's copy is under way is copied by the drain instead, so
-        that its local write never waits for the persistent tier (off by
-        default; an object
-        store's files are copied by the drain either way; not with
-        ``drain_while_writing``).
     """
 
     local_dir: str
@@ -213,8 +193,6 @@ class TierConfig:
     persistent: bool = True
     retry_s: float = 900.0
     local_only_under: Optional[str] = None
-    drain_while_writing: bool = False
-    write_through: bool = False
 
     def for_checkpoint(self, checkpoint_dir: str) -> "TierConfig":
         """The settings of one save into ``checkpoint_dir``: local only under ``local_only_under``."""
@@ -226,16 +204,8 @@ class TierConfig:
         if not self.local_dir or not os.path.isabs(self.local_dir):
             raise ValueError(f"local_dir must be an absolute path, the same on every node, got {self.local_dir!r}")
         _check_positive(self, "keep_local")
-        check_copy_modes(self.drain_while_writing, self.write_through)
         if self.replicas < 0 or self.retry_s < 0:
             raise ValueError(f"replicas and retry_s must be >= 0, got {self.replicas} and {self.retry_s}")
-
-
-def check_copy_modes(drain_while_writing: bool, write_through: bool) -> None:
-    """Raise ``ValueError`` where both of ``TierConfig``'s ways of an early copy to the persistent tier are asked
-    for (a tool checks its flags with it before it starts)."""
-    if drain_while_writing and write_through:
-        raise ValueError("write_through and drain_while_writing are two ways of the same copy: choose one")
 
 
 def _is_under(path: str, root: str) -> bool:

@@ -15,8 +15,7 @@ A process that ends while copies are still under way waits for them at exit
 becomes durable; ``FASTPERSIST_EXIT_WAIT_S`` bounds that wait. Local commits
 still waiting for writers are given up first (on every rank: a save whose
 every write is done is committed all the same), then the drains of saves never
-committed; retired files no save took are removed last
-(``storage/recycle.py``). The replicas travel over a group of their own
+committed. The replicas travel over a group of their own
 (``topology.replication_group``), which a script's ``destroy_process_group()``
 leaves alone: the exit still sends them. No thread can be started while the
 process exits: the workers and their helpers are started with the first
@@ -35,11 +34,11 @@ from concurrent.futures import InvalidStateError
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 from ...storage.persistent import checkpoint_url
-from ...storage.recycle import empty_pools
 from ...util.beside import keep_helpers
+from ...util.events import WAITING_FOR_COPIES, event
 from ...util.per_process import PerProcess
 from ..writer_process import writer_client
-from .drain import WRITTEN_THROUGH, Drain, drain
+from .drain import Drain, drain
 from .local_commit import LocalCommit, await_writers_and_commit, finalize_step
 from .removal import Removal, SavesBegun, remove
 from .replicate import Replication, replicate
@@ -66,7 +65,7 @@ class Worker(Generic[J]):
         self._thread.start()
 
     def submit(self, job: J) -> None:
-        _exit_wait_registered.get()  # the exit waits for the copies, then removes the retired files
+        _exit_wait_registered.get()  # the exit waits for the copies
         with self._lock:
             self._open.append(job)
             self.last = job
@@ -101,7 +100,7 @@ class Worker(Generic[J]):
 def _retain(job: Retention) -> None:
     """The retention of one local commit, keeping what this process's replication has still to send or receive
     (asked when it runs: replications queued since are of newer checkpoints)."""
-    retain(job.config, job.current, job.recycled, job.limit, replicating())
+    retain(job.config, job.current, replicating())
 
 
 POLL_S = 0.05  # how often a wait for background jobs looks again
@@ -214,7 +213,7 @@ def begin_save(checkpoint_dir: str, local: Optional[str], who: str) -> None:
     if jobs:
         waiting = (f"fastpersist: {who}: saving {url} again: waiting for this process's copies (replicas, the copy "
                    "to the persistent tier) of the checkpoint saved there before to end first")
-        logger.debug("%s (%d under way)", waiting, len(jobs))
+        logger.debug("%s (%d under way)", waiting, len(jobs), extra=event(WAITING_FOR_COPIES, checkpoint=url))
         start, said = time.monotonic(), threading.Event()
 
         def say() -> None:
@@ -252,18 +251,16 @@ def wait_copies(timeout: Optional[float] = None) -> bool:
 def _give_up_uncommitted() -> None:
     """At exit, the saves not committed: nothing of them is kept, but for a save whose every write is done.
 
-    Where a local commit waits for writes, or a drain of a save not committed
-    would take its writer's write-through copy, the rank's writer first
-    finishes the jobs handed to it and stops (a job reaching it later, from a
-    forked async caller still running, fails rather than leave a copy in the
-    persistent directory). Then each local commit still waiting is given up
+    Where a local commit waits for writes, the rank's writer first finishes
+    the jobs handed to it and stops (a job reaching it later, from a forked
+    async caller still running, fails rather than write a file no commit
+    takes). Then each local commit still waiting is given up
     (``local_commit.py``: on every rank, unless every write is done by then),
     then the drains of saves whose local commit never came.
     """
     commits = _committer.get().open_jobs() if _committer.made() else []
     drains = _drainer.get().open_jobs() if _drainer.made() else []
-    if commits or any(not job.committed.done() and job.planned is not None and job.planned.when == WRITTEN_THROUGH
-                      for job in drains):
+    if commits:
         writer_client().stop(_exit_limit())
     for commit in commits:
         commit.given_up.set()
@@ -292,7 +289,6 @@ def _wait_at_exit() -> None:
         _wait_for_copies()
     finally:
         release_replication_groups()
-        empty_pools()
 
 
 def _wait_for_copies() -> None:

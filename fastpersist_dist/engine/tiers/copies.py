@@ -32,10 +32,12 @@ from typing import Callable, Iterable, Optional
 from ...format.checksum import digest_bytes
 from ...format.records import INDEX_FILE, CheckpointIndex
 from ...format.tiers import DURABLE, TIERS_FILE, TierManifest, local_copy_dir
-from ...storage.copy import AtomicFile, block_spans
+from ...storage.copy import AtomicFile
+from ...storage.spans import block_spans
 from ...storage.files import made_once
 from ...storage.persistent import PersistentDir, PosixDir, persistent_dir
 from ...util.errors import FastPersistError
+from ...util.events import FETCHED, event
 from .state import (check_current, drained_files, drained_marker, newest_durable_beside, pending_dir,
                     read_manifest)
 from .topology import describe_node
@@ -66,6 +68,11 @@ class Copies:
 
     def of(self, name: str) -> tuple[str, ...]:
         return self.dirs.get(name, ())
+
+    def near(self) -> frozenset[str]:
+        """The data files this node's own copy holds: what a shared load prefers this node to read for the ranks
+        that need them, before any rank reads the persistent tier."""
+        return frozenset(name for name, where in self.dirs.items() if where[:1] == (self.local,))
 
     def locate(self, requested: Iterable[str], independent: bool = False) -> None:
         """Find this node's copies of every file of the checkpoint (a rank may read one for another rank that cannot
@@ -144,7 +151,8 @@ class Copies:
             start = time.perf_counter()
             if made_once(path, lambda: home.fetch(data_file, path, spans, size, who), since):
                 logger.info("fastpersist: %s: fetched %s (%.3f GiB) into %s in %.2f s, every block checked", who,
-                            home.where(data_file), size / 2**30, self.local, time.perf_counter() - start)
+                            home.where(data_file), size / 2**30, self.local, time.perf_counter() - start,
+                            extra=event(FETCHED, file=data_file))
             else:
                 logger.debug("fastpersist: %s: %s was fetched into %s by another rank of this node meanwhile (waited "
                              "%.2f s)", who, data_file, self.local, time.perf_counter() - start)
@@ -206,7 +214,8 @@ def copies_for_load(checkpoint_dir: str, manifest: TierManifest, who: str, local
         _restore_index(source, manifest, local, who)
         made = True
     if made:
-        logger.info("fastpersist: %s: the index of %s fetched into this node's copy %s", who, checkpoint_dir, local)
+        logger.info("fastpersist: %s: the index of %s fetched into this node's copy %s", who, checkpoint_dir, local,
+                    extra=event(FETCHED, file=INDEX_FILE))
     else:
         logger.debug("fastpersist: %s: the index of %s was fetched into %s by another rank of this node", who,
                      checkpoint_dir, local)

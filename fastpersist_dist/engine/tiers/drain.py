@@ -3,9 +3,8 @@
 Each rank's drain job is queued when its save is prepared and waits for the
 local commit to hand it the manifest (``Drain.committed``). Meanwhile, for an
 async save to a persistent directory, it already copies the rank's data file
-there: once the rank's writer is done with it (its status file), or with
-``drain_while_writing`` as the writer writes it (following its length,
-``storage/copy.py``'s ``copy_following``). Either copy stays under a temporary
+there once the rank's writer is done with it (its status file:
+``storage/copy.py``'s ``copy_pending``). The copy stays under a temporary
 name, keeping each block's digest, and is put in place only if those equal the
 checksums of the committed index, and is made again from the local copy
 otherwise; so the copy of a written file does not wait for the loop's next
@@ -29,8 +28,6 @@ stays in the local tiers (loadable there), and the next save goes on.
 
 from __future__ import annotations
 
-import fcntl
-import glob
 import logging
 import os
 import random
@@ -42,10 +39,12 @@ from typing import Callable, Optional, TypeVar
 from ...format.checksum import digest_bytes
 from ...format.records import INDEX_FILE, ShardRecord, is_data_file, status_file_name
 from ...format.tiers import DRAINED_PREFIX, DURABLE, TierManifest
-from ...storage.copy import PendingCopy, Span, WrittenThrough, block_layout, block_spans, copy_following
-from ...storage.files import TMP_SUFFIX, unlink_quietly, written_through_name
+from ...storage.copy import PendingCopy, copy_pending
+from ...storage.spans import Span, block_layout, block_spans
+from ...storage.files import TMP_SUFFIX
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
+from ...util.events import COPIED, DURABLE as DURABLE_EVENT, event
 from ..index_reader import read_index
 from .state import advance, drained_marker, failed_copies, mark_failed, pending_dir, poll_pauses, superseded
 
@@ -56,26 +55,20 @@ FIRST_PAUSE_S = 1.0
 LONGEST_PAUSE_S = 30.0
 
 
-FOLLOW_POLL_S = 0.002  # how often a copy that follows a write looks at the file's length
 WRITTEN_POLL_S = 0.01  # how often a copy waiting for the whole file looks for the writer's status
 # A copy under a temporary name last written this long before a checkpoint's local commit is not one of that
 # checkpoint's (its copies are written after its call): an earlier save's that died, which rank 0 removes.
 STALE_COPY_S = 3600.0
-
-# When an async save's data file reaches a persistent directory (``Planned.when``), as the drain logs it.
-ONCE_WRITTEN = "once written, before the local commit"
-WHILE_WRITTEN = "while it was written"
-WRITTEN_THROUGH = "by the rank's writer, beside the local write"
+ONCE_WRITTEN = "once written, before the local commit"  # when a data file is copied (``Planned``), as logged
+AFTER_COMMIT = "after the local commit"
 
 
 @dataclass(frozen=True)
 class Planned:
-    """A rank's data file as its save planned it: what a copy needs to follow the write."""
+    """A rank's data file as its save planned it: what a copy before the local commit needs."""
 
     records: tuple[ShardRecord, ...]  # placed back to back, their checksums not known yet
     block_bytes: int  # the checksum block
-    settling: int  # bytes at the end of the written part that may still change (storage.writer.settling_bytes)
-    when: str  # ONCE_WRITTEN, WHILE_WRITTEN (drain_while_writing) or WRITTEN_THROUGH (write_through)
 
     @property
     def size(self) -> int:
@@ -100,7 +93,7 @@ def drain(job: Drain) -> None:
     """This rank's part of ``job`` (see the module)."""
     who = f"rank {job.rank} ({job.node})"
     home = persistent_dir(job.checkpoint_dir)
-    early = _follow(job, home, who)
+    early = _copy_once_written(job, home, who)
     try:
         m = job.committed.result()
     except Exception as e:  # noqa: BLE001 - the save failed: its finalize reported it on every rank
@@ -116,8 +109,8 @@ def drain(job: Drain) -> None:
             early.abandon()  # unless it was committed
 
 
-def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[PendingCopy | WrittenThrough],
-          who: str, start: float) -> None:
+def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[PendingCopy], who: str,
+          start: float) -> None:
     index = read_index(job.local, who)
     size = index.files.get(job.data_file)
     try:
@@ -131,11 +124,11 @@ def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[Pend
                                 size, src)
             dst = home.where(job.data_file)
             if early is not None and _taken(early, spans, who, src):
-                _say_taken(early, who, src, dst, size, job.planned)
+                _say_copied(who, src, dst, ONCE_WRITTEN, early.seconds, size)
             else:
                 seconds = _retrying(lambda: home.put(job.data_file, src, spans, size, who), job.retry_s,
                                     f"{who}: copying {src} to {dst}")
-                _say_copied(who, src, dst, "after the local commit", seconds, size)
+                _say_copied(who, src, dst, AFTER_COMMIT, seconds, size)
         _retrying(lambda: home.write(drained_marker(m, job.data_file), b""), job.retry_s,
                   f"{who}: marking {job.data_file} copied in {home.url}")
     except FastPersistError as e:
@@ -153,7 +146,7 @@ def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[Pend
             logger.error("fastpersist: rank 0: %s stays in the local tiers (not durable): %s", m.checkpoint_dir, e)
 
 
-def _taken(early: PendingCopy | WrittenThrough, spans: list[Span], who: str, src: str) -> bool:
+def _taken(early: PendingCopy, spans: list[Span], who: str, src: str) -> bool:
     """Whether the copy of ``src`` made before the local commit is now put in place, since it holds exactly
     ``spans`` (where not, logged: the file is then copied again)."""
     try:
@@ -167,132 +160,29 @@ def _taken(early: PendingCopy | WrittenThrough, spans: list[Span], who: str, src
     return False
 
 
-def _say_taken(early: PendingCopy | WrittenThrough, who: str, src: str, dst: str, size: int,
-               planned: Optional[Planned]) -> None:
-    if isinstance(early, WrittenThrough):
-        logger.debug("fastpersist: %s: %s is in %s, written there %s; every block checked as it was written (the "
-                     "same bytes as the local file's, their size and sampled blocks read back)", who, src, dst,
-                     WRITTEN_THROUGH)
-    else:
-        _say_copied(who, src, dst, planned.when if planned else "", early.seconds, size)
-
-
 def _say_copied(who: str, src: str, dst: str, when: str, seconds: float, size: int) -> None:
     logger.debug("fastpersist: %s: %s copied to %s %s in %.2f s (%.2f GiB/s), every block checked", who, src, dst,
-                 when, seconds, size / 2**30 / max(seconds, 1e-9))
+                 when, seconds, size / 2**30 / max(seconds, 1e-9), extra=event(COPIED, file=dst, when=when))
 
 
-class _Written:
-    """This rank's local data file as its writer writes it (the drain follows it there)."""
-
-    def __init__(self, job: Drain, planned: Planned):
-        self.path = os.path.join(job.local, job.data_file)
-        self._status = os.path.join(job.local, status_file_name(job.rank))  # left by the writer once it is done
-        self._job, self._planned = job, planned
-        self.fd = -1
-
-    def _done(self) -> bool:
-        """Whether the writer is done (or the save over): nothing more will change."""
-        return self._job.committed.done() or os.path.exists(self._status)
-
-    def _gave_up(self) -> None:
-        if self._job.committed.done() and self._job.committed.exception() is not None:
-            raise FastPersistError(f"the save of {self.path} failed")
-
-    def open(self) -> None:
-        """Wait for the writer to create the file (removed before this drain was queued) and open it."""
-        while True:
-            self._gave_up()
-            done = self._done()
-            try:
-                self.fd = os.open(self.path, os.O_RDONLY)
-                return
-            except FileNotFoundError:
-                if done:
-                    raise FastPersistError(f"{self.path} was not written") from None
-            time.sleep(FOLLOW_POLL_S)
-
-    def wait(self, end: int) -> None:
-        """Return once bytes [0, end) are final (unless it follows the write: once the writer is done); raise
-        where they never will be."""
-        following = self._planned.when == WHILE_WRITTEN
-        while True:
-            self._gave_up()
-            done = self._done()
-            if done or following:
-                if os.fstat(self.fd).st_size - (0 if done else self._planned.settling) >= end:
-                    return
-                if done:
-                    raise FastPersistError(f"{self.path} has {os.fstat(self.fd).st_size} bytes, not the {end} "
-                                           "planned")
-            time.sleep(FOLLOW_POLL_S if following else WRITTEN_POLL_S)
-
-
-def _written_through(written: _Written, size: int, final: str, who: str) -> Optional[WrittenThrough]:
-    """The writer's write-through copy of the data file (``size`` bytes), once the writer has written the file
-    and then let the copy go; None where it made none or dropped it (the writer logged why: the file is then
-    copied)."""
-    written.wait(size)
-    _let_go(final)  # the writer leaves its status with the local file, and finishes the copy after it
-    through = written_through_name(final)
-    if not os.path.exists(through):
-        logger.debug("fastpersist: %s: no write-through copy %s; copying %s instead", who, through, written.path)
-        _remove_written_through(final)  # what a writer that died during its copy left
-        return None
-    return WrittenThrough(through, final)
-
-
-def _remove_written_through(final: str) -> None:
-    """Remove the write-through copies of ``final``, under way or written, each once its writer has let it go
-    (``storage/writer.py`` holds a lock on it while it writes; the lock goes with a writer that dies). The writer
-    made its copy before the local file the drain found, so it is there to be found."""
-    _let_go(final, unlink_quietly)
-
-
-def _let_go(final: str, then: Optional[Callable[[str], None]] = None) -> None:
-    """Wait until every writer has let its write-through copy of ``final`` go (put it where the drain takes it,
-    dropped it, or died), calling ``then`` with each copy's name while its lock is held."""
-    seen: set[str] = set()  # one that cannot be removed is not looked at again
-    while names := set(glob.glob(f"{glob.escape(final)}.*{TMP_SUFFIX}")) - seen:
-        seen |= names
-        for name in names:
-            try:
-                fd = os.open(name, os.O_RDONLY)
-            except FileNotFoundError:  # put in place under its other name meanwhile: found by the next look
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                if then is not None:
-                    then(name)
-            finally:
-                os.close(fd)
-
-
-def _follow(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy | WrittenThrough]:
-    """This rank's data file in a persistent directory before the local commit: written there by the rank's
-    writer, or copied once or while it is written; None where it is not (an object store, a synchronous save,
-    nothing to write, the save failed, any error: the copy is then made after the commit)."""
+def _copy_once_written(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy]:
+    """This rank's data file copied to a persistent directory once its writer has written it, before the local
+    commit; None where it is not (an object store, a synchronous save, nothing to write, the save failed, any
+    error: the copy is then made after the commit)."""
     if job.planned is None or home.local_path is None:
         return None
-    written = _Written(job, job.planned)
-    final = os.path.join(home.local_path, job.data_file)
-    through = job.planned.when == WRITTEN_THROUGH
+    src = os.path.join(job.local, job.data_file)
+    status = os.path.join(job.local, status_file_name(job.rank))  # left by the writer once it is done
     try:
-        written.open()
-        taken = _written_through(written, job.planned.size, final, who) if through else None
-        if taken is not None:
-            return taken
-        return copy_following(written.fd, written.path, final,
-                              block_layout(list(job.planned.records), job.planned.block_bytes),
-                              job.planned.size, who, written.wait)
+        while not (job.committed.done() or os.path.exists(status)):
+            time.sleep(WRITTEN_POLL_S)
+        if job.committed.done() and job.committed.exception() is not None:
+            raise FastPersistError(f"the save of {src} failed")
+        return copy_pending(src, os.path.join(home.local_path, job.data_file),
+                            block_layout(list(job.planned.records), job.planned.block_bytes), job.planned.size, who)
     except (FastPersistError, OSError) as e:
-        logger.debug("fastpersist: %s: not copying %s before the local commit: %s", who, written.path, e)
-        if through:  # the save given up (or the file not written): nothing the writer made of it stays
-            _remove_written_through(final)
+        logger.debug("fastpersist: %s: not copying %s before the local commit: %s", who, src, e)
         return None
-    finally:
-        if written.fd >= 0:
-            os.close(written.fd)
 
 
 def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Drain, start: float) -> None:
@@ -329,7 +219,8 @@ def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Dr
     seconds, nbytes = time.perf_counter() - start, sum(sizes[f] for f in wanted)
     logger.info("fastpersist: %s is durable: its %d data files (%.3f GiB) copied to the persistent tier and checked, "
                 "its index committed there, %.2f s after its drain started (%.2f GiB/s)", m.checkpoint_dir,
-                len(wanted), nbytes / 2**30, seconds, nbytes / 2**30 / max(seconds, 1e-9))
+                len(wanted), nbytes / 2**30, seconds, nbytes / 2**30 / max(seconds, 1e-9),
+                extra=event(DURABLE_EVENT, checkpoint=m.checkpoint_dir))
 
 
 def _committed_index(m: TierManifest, local: str) -> dict[str, bytes]:
@@ -388,7 +279,7 @@ def _remove_stale_files(home: PersistentDir, m: TierManifest) -> None:
             continue
         if (name.endswith(TMP_SUFFIX) and name[: -len(TMP_SUFFIX)].rsplit(".", 1)[0] in keep
                 and not _written_long_before(home, name, m.created)):
-            continue  # a copy of this checkpoint under way (or written through, waiting for this drain)
+            continue  # a copy of this checkpoint under way
         if is_data_file(name) or name.endswith(TMP_SUFFIX) or name.startswith(DRAINED_PREFIX):
             stale.append(name)
     home.remove_all(stale)

@@ -3,7 +3,7 @@
 Runs on every rank's replication thread after the local commit, over a gloo
 group of its own (``topology.replication_group``). Both ends of a transfer
 read the same index from their node's copy, so they cut the file into the
-same chunks of whole checksum blocks (``storage/copy.py``). The sender sends
+same chunks of whole checksum blocks (``storage/spans.py``). The sender sends
 each chunk from the file's own pages where the local tier is in memory (a
 tmpfs), else reads it into one of two buffers and sends it while reading the
 next. The receiver checks each chunk against its checksums while the next
@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 from ...format.tiers import REPLICATED, TierManifest
 from ...plan.replicas import ReplicaTransfer, replica_transfers
-from ...storage.copy import (AtomicFile, Span, block_spans, check_chunk, chunk_plan, pages_to_send,
-                              sendable_in_place)
+from ...storage.checked_read import pages_to_send, sendable_in_place
+from ...storage.copy import AtomicFile
+from ...storage.spans import Span, block_spans, check_chunk, chunk_plan
 from ...util.beside import Beside
 from ...util.errors import CorruptCheckpointError
 from ...util.per_process import PerProcess
@@ -63,7 +64,6 @@ class Replication(RankPart):
     """One rank's part of replicating one checkpoint."""
 
     group: dist.ProcessGroup
-    recycled: Optional[str]  # where retired data files wait to be overwritten (storage/recycle.py), if anywhere
 
 
 class _Broken:
@@ -216,9 +216,8 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
 
     error: Optional[Exception] = None
     out: Optional[AtomicFile] = None
-    reused = False
     try:
-        out = AtomicFile(path, job.recycled)
+        out = AtomicFile(path)
     except OSError as e:  # e.g. the local tier is full or gone: received all the same, and dropped
         error = e
     try:
@@ -240,7 +239,6 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
         if out is not None:
             try:
                 out.commit()
-                reused = out.reused
             except OSError as e:
                 error = e
                 out.abandon()
@@ -252,6 +250,6 @@ def _receive(t: ReplicaTransfer, path: str, spans: list[Span], job: Replication,
         logger.error("fastpersist: %s: the replica of %s from rank %d was not kept: %s", who, t.data_file, t.src,
                      error)
         return False
-    logger.debug("fastpersist: %s: received the replica of %s from rank %d, every block checked%s", who, t.data_file,
-                 t.src, ", over a retired file" if reused else "")
+    logger.debug("fastpersist: %s: received the replica of %s from rank %d, every block checked", who, t.data_file,
+                 t.src)
     return True

@@ -35,7 +35,6 @@ from ...format.kinds import MARKERS
 from ...format.tiers import DURABLE, TIERS_FILE, TierManifest
 from ...storage.files import unlink_quietly
 from ...storage.persistent import PosixDir, persistent_dir
-from ...storage.recycle import retire
 from ...util.config import TierConfig
 from ...util.errors import FastPersistError
 from .state import read_manifest
@@ -59,9 +58,8 @@ def reading(copy_dir: Optional[str]) -> Iterator[None]:
         os.close(fd)
 
 
-def _remove_unless_read(path: str, manifest: TierManifest, recycled: Optional[str], limit: int) -> bool:
-    """Remove the copy at ``path`` unless a load holds it; whether it was removed. ``recycled``: the pool its data
-    files go to (at most ``limit`` files there; ``storage/recycle.py``), the manifest removed first."""
+def _remove_unless_read(path: str) -> bool:
+    """Remove the copy at ``path`` unless a load holds it, its manifest first; whether it was removed."""
     try:
         fd = os.open(os.path.join(path, IN_USE_FILE), os.O_RDONLY | os.O_CREAT, 0o644)
     except OSError:
@@ -72,11 +70,6 @@ def _remove_unless_read(path: str, manifest: TierManifest, recycled: Optional[st
         except BlockingIOError:
             return False
         unlink_quietly(os.path.join(path, TIERS_FILE))  # no longer a copy of anything, whatever is left of it
-        if recycled is not None:
-            kept = retire(recycled, [os.path.join(path, f) for f in sorted(manifest.files)
-                                     if os.path.isfile(os.path.join(path, f))], limit)
-            logger.debug("fastpersist: %d data files of %s kept in %s for the next save to overwrite", kept, path,
-                         recycled)
         shutil.rmtree(path, ignore_errors=True)
         return True
     finally:
@@ -89,16 +82,11 @@ class Retention:
 
     config: TierConfig
     current: TierManifest
-    recycled: Optional[str]
-    limit: int
 
 
-def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = None, limit: int = 0,
-           replicating: frozenset[str] = frozenset()) -> None:
-    """Remove this node's local copies that are no longer kept (see the module); ``recycled``, ``limit``: where
-    their data files go instead, and how many (as many as a copy of this node holds: one per writer of the next
-    save and per replica it receives);
-    ``replicating``: the ids of the checkpoints whose replication this process has not finished."""
+def retain(config: TierConfig, current: TierManifest, replicating: frozenset[str] = frozenset()) -> None:
+    """Remove this node's local copies that are no longer kept (see the module); ``replicating``: the ids of the
+    checkpoints whose replication this process has not finished."""
     copies = []
     for name in os.listdir(config.local_dir):
         path = os.path.join(config.local_dir, name)
@@ -124,7 +112,7 @@ def retain(config: TierConfig, current: TierManifest, recycled: Optional[str] = 
         else:
             why = f"durable; {config.keep_local} newer copies kept" if manifest.persistent else \
                 f"a local checkpoint; {config.keep_local} newer copies kept"
-        if _remove_unless_read(path, manifest, recycled, limit):
+        if _remove_unless_read(path):
             logger.info("fastpersist: removed the local copy %s of %s (%s)", path, manifest.checkpoint_dir, why)
         else:
             logger.debug("fastpersist: the local copy %s is being read: kept for now", path)

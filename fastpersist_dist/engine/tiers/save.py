@@ -37,15 +37,14 @@ from ...format.tiers import LOCAL, TIERED_MARKERS, TIERS_FILE, TierManifest, loc
 from ...plan.replicas import replica_nodes
 from ...storage.files import atomic_write, fsync_path, unlink_quietly
 from ...storage.persistent import persistent_dir, write_at_once
-from ...storage.recycle import pool_dir
-from ...storage.mounts import SHMEM_ENABLED, on_memory_filesystem, small_pages_in_memory
-from ...storage.writer import settling_bytes
+from ...storage.mounts import SHMEM_ENABLED, small_pages_in_memory
 from ...util.config import TierConfig, WriteConfig
 from ...util.errors import FastPersistError, SaveFailedError
+from ...util.events import COMMITTED_LOCALLY, event
 from ..agreement import Agreement, failure
 from ..directory import invalidate
 from .background import begin_save, commit_beside, drainer, replicator, retainer, start_threads
-from .drain import ONCE_WRITTEN, WHILE_WRITTEN, WRITTEN_THROUGH, Drain, Planned
+from .drain import Drain, Planned
 from .local_commit import LocalCommit, commit_group
 from .replicate import Replication
 from .retention import Retention
@@ -66,10 +65,6 @@ class TieredSave:
     replicas: tuple[tuple[int, ...], ...]  # node -> the nodes that keep copies of its files
     group: Optional[dist.ProcessGroup]  # the replication group, where there are replicas
     rank: int
-    # Where the node's retired data files wait to be overwritten by its writes and the replicas it receives
-    # (storage/recycle.py): a local tier in memory whose drain does not follow the write (it follows a file's
-    # length, which an overwritten file has from the start).
-    recycled: Optional[str]
     # megatron's own files of the checkpoint (metadata.json: compat.megatron_config), which its save() writes
     # after the strategy's, at finalize for an async save: rank 0 writes them to the persistent directory with
     # the local commit, so that a checkpoint its manifest calls local (or durable) is one megatron's load() takes.
@@ -92,9 +87,7 @@ class TieredSave:
         check_node_local(config.local_dir, topo)
         replicas = replica_nodes(topo.domains, config.replicas) if config.replicas else ()
         group = replication_group() if config.replicas else None
-        follows = config.persistent and config.drain_while_writing
-        recycled = pool_dir(config.local_dir) if on_memory_filesystem(config.local_dir) and not follows else None
-        save = cls(config, checkpoint_dir, local, topo, replicas, group, dist.get_rank(), recycled, megatron_files)
+        save = cls(config, checkpoint_dir, local, topo, replicas, group, dist.get_rank(), megatron_files)
         if save.node_leader:
             _advise_huge_pages(config.local_dir)
         return save
@@ -134,32 +127,18 @@ class TieredSave:
         Where the write runs in the rank's writer process (``beside_writer``:
         an async save; a synchronous save's caller waits for its write and
         commits right after), the drain copies the data file (planned as
-        ``records``) to a persistent directory once it is written, or while it
-        is written where ``TierConfig.drain_while_writing`` says so, or takes
-        the writer's own copy (``TierConfig.write_through``,
-        :meth:`write_through_to`), without waiting for the local commit; else
-        after the commit.
+        ``records``) to a persistent directory once it is written, without
+        waiting for the local commit; else after the commit.
         """
         if not self.config.persistent:
             return None
         # The writer's own first step, taken before the drain looks: it follows only the file of this save.
         unlink_quietly(os.path.join(self.local, data_file))
         committed: Future[TierManifest] = Future()
-        when = WRITTEN_THROUGH if self.config.write_through else (
-            WHILE_WRITTEN if self.config.drain_while_writing else ONCE_WRITTEN)
-        planned = Planned(tuple(records), config.checksum_block_bytes, settling_bytes(self.local, config),
-                          when) if records and beside_writer else None
+        planned = Planned(tuple(records), config.checksum_block_bytes) if records and beside_writer else None
         drainer().submit(Drain(committed, self.checkpoint_dir, self.local, self.rank, describe_node(), data_file,
                                self.config.retry_s, planned))
         return committed
-
-    def write_through_to(self, data_file: str) -> Optional[str]:
-        """Where an async save's writer also writes ``data_file`` (``TierConfig.write_through``): the persistent
-        directory's copy; None where it does not (off, local only, an object store: copied by the drain)."""
-        if not (self.config.persistent and self.config.write_through):
-            return None
-        home = persistent_dir(self.checkpoint_dir).local_path
-        return None if home is None else os.path.join(home, data_file)
 
     def commit(self, finalize: Callable[..., Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
                aux_files: dict[str, bytes], committed: Optional["Future[TierManifest]"],
@@ -228,12 +207,12 @@ class TieredSave:
                   f"{what}; rank {self.rank}: a rank died or timed out").agree(failure(error), beside)
         if self.rank == 0:
             logger.info("fastpersist: %s committed to the local tiers of %d nodes (%s)%s", self.checkpoint_dir,
-                        len(self.topology.nodes), self.local, self._next_steps())
+                        len(self.topology.nodes), self.local, self._next_steps(),
+                        extra=event(COMMITTED_LOCALLY, checkpoint=self.checkpoint_dir))
         if self.group is not None:
-            replicator().submit(Replication(manifest, self.local, self.rank, describe_node(), self.group,
-                                            self.recycled))
-        if self.node_leader:  # a retired copy's data files, for this node's next writes and replicas received
-            retainer().submit(Retention(self.config, manifest, self.recycled, len(manifest.files_kept_on(self.node))))
+            replicator().submit(Replication(manifest, self.local, self.rank, describe_node(), self.group))
+        if self.node_leader:
+            retainer().submit(Retention(self.config, manifest))
         return manifest
 
     def _next_steps(self) -> str:

@@ -93,8 +93,8 @@ def _fastpersist_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
 
 def _local_tier_save(sd: dict, ckpt: str, config: WriteConfig) -> None:
     """A local checkpoint only (``persistent=False``) into a local tier beside the benchmark's checkpoints that keeps
-    one copy: from the second repetition on, each save retires the last one's copy and overwrites its data files
-    (on tmpfs: no page allocated or freed), as a training run's saves do once ``keep_local`` copies exist."""
+    one copy: from the second repetition on, each save retires the last one's copy, as a training run's saves do
+    once ``keep_local`` copies exist."""
     tiers = TierConfig(os.path.join(os.path.dirname(os.path.abspath(ckpt)), LOCAL_TIER_DIR), keep_local=1,
                        persistent=False)
     dist_checkpointing.save(sd, ckpt, sharded_strategy=FastPersistSaveStrategy("fastpersist", config=config,

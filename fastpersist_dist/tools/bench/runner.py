@@ -42,7 +42,7 @@ from ...format.kinds import BY_CONTAINER
 from ...format.records import INDEX_FILE
 from ...storage.deepspeed_ops import aio_resources
 from ...storage.mounts import describe_filesystem
-from ...storage.writer import preload_ops
+from ...storage.sinks import preload_ops
 from ...util import progress
 from ...util.config import WriteConfig
 from ..ranks import run_ranks
@@ -306,7 +306,7 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
         f"{shape.total_bytes() / GiB:.2f} GiB, {cfg.reps} reps of {', '.join(cfg.contenders)} in {cfg.directory}"
     )
     shape, results = on_ranks(cfg.ranks, _rank_main, cfg)[0]
-    if not cfg.keep:  # fastpersist_local_tier's copies and retired files
+    if not cfg.keep:  # fastpersist_local_tier's copies
         shutil.rmtree(os.path.join(cfg.directory, LOCAL_TIER_DIR), ignore_errors=True)
     return report(cfg, shape, results)
 
@@ -357,47 +357,3 @@ def report(cfg: BenchConfig, shape: GptShape, results: list[Result]) -> dict:
     return {"config": asdict(cfg), "bytes": nbytes, "hidden": shape.hidden, "layers": shape.layers,
             "filesystem": describe_filesystem(cfg.directory), "load_cache": "dropped (posix_fadvise DONTNEED)",
             "results": rows, "notes": notes}
-
-
-def _cell(o: Optional[dict]) -> str:
-    if o is None:
-        return f"{'-':>21} {'':>6} {'':>7} {'':>8}"
-    ratios = [f"{o[k]:.2f}x" if o.get(k) is not None else "" for k in ("x_device", "x_torch_dist")]
-    return f" {o['median_s']:>7.2f} ({o['min_s']:.2f}..{o['max_s']:.2f})".rjust(21) + \
-        f" {o['gib_s']:>6.2f} {ratios[0]:>7} {ratios[1]:>8}"
-
-
-def format_table(rep: dict) -> str:
-    """The report as a fixed-width text table, with bytes per rank and the async figures below it."""
-    cfg = rep["config"]
-    lines = [
-        f"state: {rep['bytes'] / GiB:.2f} GiB (GPT hidden={rep['hidden']}, layers={rep['layers']}), "
-        f"{cfg['ranks']} ranks, TP={cfg['tp']} x DP={cfg['ranks'] // cfg['tp']}, in {cfg['directory']} "
-        f"({rep['filesystem']}), median of {cfg['reps']} "
-        f"(min..max); saves fsynced; 'load' same sharding, 'reshard' TP splits moved to the other axis; "
-        f"page cache {rep['load_cache']}; x dev = device bound time / time, x t_dist = torch_dist time / time; "
-        f"CPU s/GiB = CPU seconds of a save (all ranks, threads, writer processes) per GiB",
-        "".join([f"{'contender':<26}"] + [f" {op + ' s':>20} {'GiB/s':>6} {'x dev':>7} {'x t_dist':>8}" for op in OPS]
-                + [f" {'CPU s/GiB':>9}"]),
-    ]
-    for r in rep["results"]:
-        cpu = r.get("save", {}).get("cpu_s_per_gib")
-        lines.append("".join([f"{r['name']:<26}"] + [_cell(r.get(op)) for op in OPS]
-                             + [f" {cpu:>9.2f}" if cpu is not None else f" {'-':>9}"]))
-    for r in rep["results"]:
-        lines.append(f"  {r['name']}: {r['what']}")
-        if "bytes_per_rank" in r:
-            per_rank = r["bytes_per_rank"]
-            mean = sum(per_rank) / len(per_rank)
-            lines.append(f"    bytes written per rank: {', '.join(f'{b / GiB:.3f}' for b in per_rank)} GiB "
-                         f"(max/mean {max(per_rank) / mean if mean else 1:.2f})")
-        if "blocking" in r:
-            b = r["blocking"]
-            pct = f" = {b['pct_of_sync_save']:.0f}% of the synchronous save" if "pct_of_sync_save" in b else ""
-            lines.append(
-                f"    the save call blocked {b['median_s']:.3f} s ({b['min_s']:.3f}..{b['max_s']:.3f}){pct}; "
-                f"durable after {r['save']['median_s']:.2f} s; extra host memory: one snapshot of each rank's "
-                f"share, {rep['bytes'] / cfg['ranks'] / GiB:.2f} GiB per rank on average, reused across saves"
-            )
-    lines.extend(f"note: {n}" for n in rep["notes"])
-    return "\n".join(lines)
