@@ -242,21 +242,22 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     m.set_defaults(func=_command("simulate"))
     r = sub.add_parser("report", help="run the benchmarks the docs quote, write their results as JSON and "
-                       "regenerate the docs' tables from it (about 10 minutes at the defaults on 2 cores)",
+                       "regenerate the docs' tables from it (about 8 minutes at the defaults on 2 cores)",
                        description="Runs bench at 1 and 2 ranks in --dir (the disk) and --shm-dir (memory), and "
                        "bench-train at 2 ranks (TP=1, the tiered contender's local tier in --shm-dir); writes the "
                        "results, with the machine, storage, versions, date and commit they were measured with, to "
                        "--json; then replaces the inside of every '<!-- report: NAME begin -->' ... "
                        "'<!-- report: NAME end -->' block of the pages (NAME: bench, bench-detail, bench-train) by a "
-                       "stamp line and the table. At the defaults it takes about 10 minutes on a 2-core VM.")
+                       "stamp line and the table. At the defaults it takes about 8 minutes on a 2-core VM.")
     r.add_argument("pages", nargs="*", metavar="PAGE.md",
                    help="the pages whose report blocks are filled (default: README.md and docs/*.md of this checkout)")
     r.add_argument("--dir", default=REPORT_DIR, help="the disk's benchmark directory (default %(default)s, "
                    "git-ignored; removed afterwards if the run created it)")
     r.add_argument("--shm-dir", default=REPORT_SHM_DIR, help="the in-memory benchmark directory, also bench-train's "
                    "local tier (default %(default)s; removed afterwards if the run created it)")
-    r.add_argument("--gib", type=_positive_float, default=0.5,
-                   help="total state size in GiB (default 0.5: the whole run fits about 10 minutes on 2 cores)")
+    r.add_argument("--gib", type=_positive_float, default=1.0,
+                   help="total state size in GiB (default 1: large enough that a save's fixed costs do not hide "
+                        "the device's bandwidth, small enough that the run takes about 8 minutes on 2 cores)")
     r.add_argument("--reps", type=_positive_int, default=3, help="repetitions per contender (default 3)")
     r.add_argument("--json", metavar="PATH", default=REPORT_JSON,
                    help="where the results go (default %(default)s: beside the pages it fills and committed with "

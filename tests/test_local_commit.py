@@ -16,6 +16,7 @@ from megatron.core import dist_checkpointing
 
 from fastpersist_dist import FastPersistLoadStrategy, TierConfig, checkpoint_state, wait_durable
 from fastpersist_dist.engine.async_queue import AsyncSaveQueue
+from fastpersist_dist.engine.tiers.background import _committer
 from fastpersist_dist.engine.writer_process import writer_client
 from fastpersist_dist.format.index_pages import PART_FILE_RE, part_file_name
 from fastpersist_dist.tools.ranks import run_ranks
@@ -115,13 +116,15 @@ def _finalized_while_the_next_one_writes(rank: int, world: int, root: str) -> di
     os.kill(writer, signal.SIGSTOP)  # B's write cannot end before A's finalize
     try:
         finalized = queue.maybe_finalize(blocking=False)  # A only: B's writer is still busy
-        time.sleep(0.5)  # time for a commit of B wrongly released by A's finalize to run (and fail) before B is written
+        # B's local commit, queued and not run: A's finalize must not have told it that B's writes are over
+        (b_commit,) = [job for job in _committer.get().open_jobs() if job.checkpoint_dir.endswith("/persistent/b")]
+        released = b_commit.written.is_set()
         state_while_stopped = checkpoint_state(f"{root}/persistent/b")
     finally:
         os.kill(writer, signal.SIGCONT)
     finalized += queue.maybe_finalize(blocking=True)
     load_and_compare(sd, want, f"{root}/persistent/b")
-    return {"finalized": finalized, "b while its writer was stopped": state_while_stopped}
+    return {"finalized": finalized, "b released": released, "b while its writer was stopped": state_while_stopped}
 
 
 def test_finalizing_a_committed_save_leaves_the_next_ones_commit_waiting_for_its_writers(tmp_path):
@@ -129,4 +132,5 @@ def test_finalizing_a_committed_save_leaves_the_next_ones_commit_waiting_for_its
     take B's write for over (it marks only commits queued ahead of its own, and A's is done), or B's commit
     would run before its writers left their statuses and fail."""
     outcomes = run_ranks(2, _finalized_while_the_next_one_writes, str(tmp_path))
-    assert outcomes == [{"finalized": [1, 2], "b while its writer was stopped": None}] * 2, outcomes
+    assert outcomes == [{"finalized": [1, 2], "b released": False, "b while its writer was stopped": None}] * 2, \
+        outcomes
