@@ -248,3 +248,19 @@ def _megatrons_results_queue_forked() -> None:
                            "_megatrons_results_queue_forked replaces: name this megatron-core's one there")
     for name in names:
         setattr(filesystem_async, name, results_queue)
+
+
+@pytest.fixture
+def cluster(root, tmp_path: Path) -> dict:
+    """Two nodes' local tiers on the disk, and a persistent directory (``tests/cluster.py``)."""
+    from .cluster import make_cluster
+
+    return make_cluster(tmp_path, tmp_path / "persistent")
+
+
+@pytest.fixture
+def memory_cluster(root, shm_dir: str, tmp_path: Path) -> dict:
+    """Two nodes' local tiers in memory (tmpfs), where loads read unshared by default (``tests/cluster.py``)."""
+    from .cluster import make_cluster
+
+    return make_cluster(Path(shm_dir), tmp_path / "persistent")
