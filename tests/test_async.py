@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import time
 from functools import partial
 
 import pytest
@@ -15,7 +17,7 @@ from fastpersist_dist import SaveFailedError
 from fastpersist_dist.compat import megatron_async_queue_class
 from fastpersist_dist.engine.async_queue import AsyncSaveQueue
 from fastpersist_dist.engine.writer_process import writer_client
-from fastpersist_dist.format.records import INDEX_FILE
+from fastpersist_dist.format.records import INDEX_FILE, data_file_name
 from fastpersist_dist.tools.bench.baselines import torch_dist_cpu_shims
 from fastpersist_dist.tools.ranks import run_ranks
 
@@ -173,6 +175,22 @@ def test_background_write_error_surfaces_at_finalize_on_all_ranks(tmp_path):
     assert not os.path.exists(tmp_path / "bad" / INDEX_FILE)
 
 
+def _waiter_of(writer: int) -> int:
+    """The pid of this trainer's child that waits for ``writer`` (stopped) in an interpreter of its own: the
+    process megatron's queue forked, replaced by a fresh one; None while none is (yet)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                for child in f.read().split():
+                    with open(f"/proc/{child}/cmdline", "rb") as c:
+                        argv = c.read().split(b"\0")
+                    if argv[1:4] == [b"-S", b"-I", b"-c"] and argv[-2:-1] == [str(writer).encode()]:
+                        return int(child)
+        time.sleep(0.01)
+    raise AssertionError(f"no child of {os.getpid()} waits for writer {writer} in an interpreter of its own")
+
+
 def _megatron_queue(rank: int, world: int, root: str) -> None:
     sd = async_state(rank, world)
     queue = megatron_async_queue_class()()
@@ -180,8 +198,18 @@ def _megatron_queue(rank: int, world: int, root: str) -> None:
     with torch_dist_cpu_shims():  # its temporal caller calls torch.cuda unconditionally
         for step in range(2):  # a fresh strategy per save; the second save starts before the first is finalized
             expected.append(snapshot(sd))
-            queue.schedule_async_request(async_save(sd, f"{root}/m{step}", native_strategy()))
+            request = async_save(sd, f"{root}/m{step}", native_strategy())
+            writer = writer_client().pid
+            if step == 0:  # the first held until the process the queue forked for it is seen replaced
+                os.kill(writer, signal.SIGSTOP)
+            queue.schedule_async_request(request)
             mutate(sd, step)
+            if step == 0:
+                try:
+                    _waiter_of(writer)
+                finally:
+                    os.kill(writer, signal.SIGCONT)
+        assert not os.path.exists(f"{root}/m0/metadata.json")  # megatron's finalize writes it
         queue.maybe_finalize_async_calls(blocking=True)
         queue.close()
     for step in range(2):
@@ -190,7 +218,36 @@ def _megatron_queue(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.contract
 def test_megatron_async_calls_queue_forks_the_caller_and_our_writer_writes(tmp_path):
+    """megatron's own queue (its temporal caller forks the trainer for each request): the values of the call
+    are saved, and the forked process waits for our writer as a fresh interpreter, sharing no page with the
+    trainer (while a fork lives, each page the trainer writes is copied)."""
     run_ranks(2, _megatron_queue, str(tmp_path))
+
+
+def _megatron_queue_writer_killed(rank: int, world: int, root: str) -> str:
+    sd = async_state(rank, world)
+    queue = megatron_async_queue_class()()
+    with torch_dist_cpu_shims():
+        request = async_save(sd, f"{root}/m", native_strategy())
+        writer = writer_client().pid
+        if rank == 1:  # killed before it wrote: the process waiting for it reads the end of the connection
+            os.kill(writer, signal.SIGSTOP)
+        queue.schedule_async_request(request)
+        if rank == 1:
+            _waiter_of(writer)
+            os.kill(writer, signal.SIGKILL)
+        with pytest.raises(SaveFailedError) as info:
+            queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+    assert not os.path.exists(f"{root}/m/metadata.json")
+    return str(info.value)
+
+
+@pytest.mark.contract
+def test_a_writer_killed_under_megatrons_queue_fails_the_save_at_finalize_on_every_rank(tmp_path):
+    path = os.path.join(tmp_path, "m", data_file_name(1))
+    for message in run_ranks(2, _megatron_queue_writer_killed, str(tmp_path)):
+        assert "rank 1: the writer process" in message and f"of {path} died before it finished" in message, message
 
 
 def _parallel_work_then_async_save(rank: int, world: int, root: str) -> None:

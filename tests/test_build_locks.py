@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -53,11 +54,16 @@ print(run_ranks(1, one, sys.argv[1], sys.argv[2])[0], flush=True)
 
 
 @pytest.fixture
-def ops_copy(tmp_path: Path) -> str:
-    """A copy of this venv's built ops (up to date: a load builds nothing), for one test's processes."""
-    copy = tmp_path / "torch_ext"
+def ops_copy(tmp_path: Path) -> Iterator[str]:
+    """A copy of this venv's built ops (up to date: a load builds nothing), for one test's processes. Beside the
+    original, at the same depth: a build through ccache with a base directory (CI's) records the headers in its
+    dependency files relative to the op's directory, which elsewhere would name no file and rebuild the op."""
+    copy = os.path.join(sys.prefix, f"torch_ext-{tmp_path.name}-{os.getpid()}")
     shutil.copytree(os.path.join(sys.prefix, "torch_ext"), copy, ignore=shutil.ignore_patterns("lock"))
-    return str(copy)
+    try:
+        yield copy
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
 
 
 def _hold_lock(op_dir: str) -> subprocess.Popen:

@@ -56,6 +56,7 @@ def _train() -> dict:
     saves = {"calls_s": [0.05, 0.06], "durable_s": [0.6, 0.7], "overlapped": [False, False], "sync_s": 0.5}
     runs = {"none": [LoopRun(loop_s=2.0), LoopRun(loop_s=2.2)],
             "torch_dist": [LoopRun(loop_s=4.0, **saves)] * 2,
+            "fastpersist_megatron_queue": [LoopRun(loop_s=3.2, **saves)] * 2,
             "fastpersist": [LoopRun(loop_s=3.0, **saves)] * 2,
             "fastpersist_tiered": [LoopRun(loop_s=3.1, persisted_s=[1.2, 1.4], **saves),
                                    LoopRun(loop_s=3.3, persisted_s=[1.3, 1.3], **saves,
@@ -106,6 +107,8 @@ def test_render_gives_each_table_with_the_stamp():
                         "extra host memory per rank | restart from local / persistent |")
     assert train[4:] == [  # 'call': the median of the calls after the process's first
         "| megatron torch_dist async, straight to the disk | 90.5 % | 0.95 s | 0.060 s | - | 0.65 s | 1.00 GiB | - |",
+        "| ours on megatron's `AsyncCallsQueue`, straight to the disk | 52.4 % | 0.55 s | 0.060 s | - | 0.65 s | "
+        "1.00 GiB | - |",
         "| ours, straight to the disk | 42.9 % | 0.45 s | 0.060 s | - | 0.65 s | 1.00 GiB | - |",
         "| ours tiered: `/dev/shm`, then the disk | 52.4 % | 0.55 s | 0.060 s | 0.65 s | 1.30 s | 1.00 GiB | "
         "0.22 s / 0.90 s |",
@@ -235,8 +238,8 @@ def test_report_measures_writes_json_and_fills_the_pages(tmp_path, shm_dir):
     assert len(stamp["commit"]["sha"]) == 40 and isinstance(stamp["commit"]["dirty"], bool)
     assert [(run["where"], run["report"]["config"]["ranks"]) for run in result["bench"]] == \
         [("disk", 1), ("disk", 2), ("shm", 1), ("shm", 2)]
-    assert [row["name"] for row in result["bench_train"]["rows"]] == ["none", "torch_dist", "fastpersist",
-                                                                      "fastpersist_tiered"]
+    assert [row["name"] for row in result["bench_train"]["rows"]] == [
+        "none", "torch_dist", "fastpersist_megatron_queue", "fastpersist", "fastpersist_tiered"]
     text = readme.read_text()
     assert text.startswith("# Readme\n\n<!-- report: bench begin -->\n\nMeasured by `fastpersist-dist report` on ")
     assert "\n\nText.\n\n<!-- report: bench-train begin -->\n\nMeasured by" in text and "old" not in text

@@ -19,11 +19,12 @@ one connection per message, a message being a length-prefixed pickle:
   None)`` (the writer is ready);
 * ``("job", WriterJob)``: write the file, leave the status (as any writer does,
   see status.py) and answer ``("done", None)``. The caller (the request's
-  ``async_fn``, in whatever process megatron's or our queue runs it) waits for
-  that answer; if the connection breaks before the writer left a good status
-  (the caller reads it: the answer is lost with a writer killed right after
-  its status), the writer died, and the caller leaves a failure status naming
-  the file, so finalize fails on every rank.
+  ``async_fn``, in whatever process megatron's or our queue runs it; in a
+  process forked from the trainer for it, a fresh interpreter that replaced
+  the fork) waits for that answer; if the connection breaks before the
+  writer left a good status (the caller reads it: the answer is lost with a
+  writer killed right after its status), the writer died, and the caller
+  leaves a failure status naming the file, so finalize fails on every rank.
 
 The writer dies with the trainer (``PR_SET_PDEATHSIG``, armed by the writer
 itself for the thread that started it: schedule saves from a long-lived thread)
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import pickle
 import signal
@@ -55,7 +57,8 @@ from ..util.config import WriteConfig
 from ..util.errors import FastPersistError
 from ..util.per_process import PerProcess
 from ..util.roles import WRITER_ENV
-from .status import left_good_status, write_and_report, write_status
+from .status import write_and_report
+from .unforked_wait import reply_lost, wait_unforked
 
 logger = logging.getLogger(__name__)
 
@@ -152,26 +155,21 @@ def write_in_writer(address: str, writer_pid: int, job: WriterJob) -> None:
 
     Never raises (like every writer): a writer that is gone or dies mid-write
     leaves a failure status naming the rank, file and cause, which finalize
-    reports on every rank.
+    reports on every rank. In a process forked from the trainer only to run
+    this call (megatron's and nvidia-resiliency-ext's temporal callers), the
+    wait goes on in a fresh interpreter that replaces the fork (``unforked_wait.py``):
+    while a fork lives, every page the trainer writes is copied once.
     """
-    path = os.path.join(job.checkpoint_dir, job.data_file)
     try:
         with _connect(address) as sock:
             _send(sock, ("job", job))
+            if getattr(multiprocessing.current_process(), "_target", None) is write_in_writer:
+                wait_unforked(sock, job.checkpoint_dir, job.rank, job.data_file, writer_pid, _child_env())
             reply, _ = _recv(sock)
         if reply[0] != "done":
             raise FastPersistError(str(reply[1]))
     except (OSError, EOFError, pickle.UnpicklingError, FastPersistError) as e:
-        if isinstance(e, (OSError, EOFError)) and left_good_status(job.checkpoint_dir, job.rank):
-            logger.warning("fastpersist: rank %d: the writer process (pid %d) died after writing %s and leaving its "
-                           "status (%s: %s); the file stands", job.rank, writer_pid, path, type(e).__name__, e)
-            return
-        cause = e if isinstance(e, FastPersistError) else FastPersistError(
-            f"rank {job.rank}: the writer process (pid {writer_pid}) of {path} died before it finished "
-            f"({type(e).__name__}: {e}); was it killed (e.g. by the OOM killer), or stopped as the trainer exited "
-            "with this save not finalized?")
-        logger.error("fastpersist: %s", cause)
-        write_status(job.checkpoint_dir, job.rank, None, cause)
+        reply_lost(job.checkpoint_dir, job.rank, job.data_file, writer_pid, e)
 
 
 class WriterClient:

@@ -173,7 +173,7 @@ WHAT = {
     "none": "no checkpoints (the reference loop)",
     "torch_dist": "megatron torch_dist async on megatron's AsyncCallsQueue (forks a caller per save)",
     "fastpersist_megatron_queue": "FastPersistSaveStrategy() per save on megatron's AsyncCallsQueue (forks a caller "
-                                  "per save: copy-on-write while it writes)",
+                                  "per save, which hands the job to our writer and becomes a small waiter)",
     "fastpersist_megatron_lm": "FastPersistSaveStrategy() per save on the queue Megatron-LM's --async-save gets "
                                "with fastpersist_dist.megatron_lm (ours for our saves: no caller forked)",
     "fastpersist": "FastPersistSaveStrategy() per save on AsyncSaveQueue (a thread per save; the rank's writer "

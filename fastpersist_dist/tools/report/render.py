@@ -47,6 +47,7 @@ BENCH_RANKS = 2
 # {local}: where the local tier is (the memory directory's mount point).
 LOOP_ROWS = {
     "torch_dist": "megatron torch_dist async, straight to the disk",
+    "fastpersist_megatron_queue": "ours on megatron's `AsyncCallsQueue`, straight to the disk",
     "fastpersist": "ours, straight to the disk",
     "fastpersist_tiered": "ours tiered: `{local}`, then the disk",
 }
