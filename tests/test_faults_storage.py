@@ -40,6 +40,7 @@ from fastpersist_dist.storage.writer import write_rank_file
 from fastpersist_dist.tools.inspect import format_report, inspect_checkpoint
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.util.config import MiB, WriteConfig
+from fastpersist_dist.util.events import RETRYING, event_of
 
 from .faults import (
     BIG,
@@ -164,16 +165,16 @@ def _persistent_tier_full(rank: int, world: int, fs: str, local: str, shape: tup
     loaded = dist_checkpointing.load(req, ckpt, sharded_strategy=FastPersistLoadStrategy())["w"]
     queue.close()
     return {"state": checkpoint_state(ckpt), "equal": torch.equal(loaded, want), "left": sorted(os.listdir(ckpt)),
-            "said": [(r.levelname, r.getMessage()) for r in records if r.levelno >= logging.WARNING]}
+            "said": [(r.levelname, r.getMessage()) for r in records if r.levelno >= logging.WARNING],
+            "retried": [r.getMessage() for r in records if event_of(r) == RETRYING]}
 
 
-def _found_no_room(said: list[tuple[str, str]], rank: int, copy: str, fs: str, why: str) -> bool:
+def _found_no_room(got: dict, rank: int, copy: str, fs: str, why: str) -> bool:
     """Whether rank ``rank`` said its copy to ``copy`` found no room (``why``: part of the reason), was tried
     again, and that the checkpoint in ``fs`` stays in the local tiers, naming itself, its node and the file."""
-    return (any(level == "WARNING" and f"rank {rank} (" in m and f"no room for {copy}: " in m and why in m
-                and "trying again" in m for level, m in said)
+    return (any(f"rank {rank} (" in m and f"no room for {copy}: " in m and why in m for m in got["retried"])
             and any(level == "ERROR" and f"rank {rank} (" in m and f"{fs}/ckpt stays in the local tiers" in m
-                    and "kept failing for 1 s" in m for level, m in said))
+                    and "kept failing for 1 s" in m for level, m in got["said"]))
 
 
 def test_a_persistent_directory_without_room_leaves_the_checkpoint_local(small_fs, tmp_path):
@@ -191,7 +192,7 @@ def test_a_persistent_directory_without_room_leaves_the_checkpoint_local(small_f
         assert not [n for n in got["left"] if is_data_file(n) or n.endswith(TMP_SUFFIX)], got["left"]
         said = "\n".join(f"{level} {m}" for level, m in got["said"])
         copy = os.path.join(small_fs, "ckpt", data_file_name(rank))
-        assert _found_no_room(got["said"], rank, copy, small_fs, "bytes to write"), said
+        assert _found_no_room(got, rank, copy, small_fs, "bytes to write"), said
     shown = format_report(inspect_checkpoint(f"{small_fs}/ckpt"))  # why it is not durable, file by file
     for rank in range(2):
         assert [line for line in shown.splitlines() if f"copy of {data_file_name(rank)} to the persistent tier FAILED"
@@ -224,7 +225,7 @@ def test_copies_that_fit_only_one_at_a_time_never_fill_the_persistent_directory(
         assert got["state"] == "local" and got["equal"], got
         assert not _filled(m for _, m in got["said"]), got["said"]
         assert not [n for n in got["left"] if n.endswith(TMP_SUFFIX)], got["left"]
-        if _found_no_room(got["said"], rank, os.path.join(small_fs, "ckpt", data_file_name(rank)), small_fs, " bytes "):
+        if _found_no_room(got, rank, os.path.join(small_fs, "ckpt", data_file_name(rank)), small_fs, " bytes "):
             refused.append(rank)
     assert len(refused) == 1, outcomes
     written = capfd.readouterr().err  # the ranks' and their writers' own logs

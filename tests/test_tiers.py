@@ -22,6 +22,7 @@ from fastpersist_dist.format.tiers import DURABLE, LOCAL, PENDING_DIR, TIERS_FIL
 from fastpersist_dist.storage.persistent import persistent_dir
 from fastpersist_dist.storage.mounts import small_pages_in_memory
 from fastpersist_dist.tools.inspect import format_report, inspect_checkpoint
+from fastpersist_dist.util.events import NEXT_COPY
 
 from .cluster import ckpt_of, data_file, data_files, load_on, loads_on, local_view, node_copy, save_on, wipe
 from .helpers import flip_bit
@@ -68,11 +69,11 @@ def test_a_fresh_node_and_a_damaged_copy_read_the_persistent_tier(cluster):
     assert all(r["drained"] == [AFTER_COMMIT] for r in saved), saved
     wipe(cluster, 1)
     copy = node_copy(cluster, 0, "s1")
-    flip_bit(os.path.join(copy, data_files(copy)[0]), 4096)
+    damaged = data_files(copy)[0]
+    flip_bit(os.path.join(copy, damaged), 4096)
     loaded = load_on(cluster, "s1", 1)
     assert all(r["equal"] for r in loaded), loaded
-    assert any("checksum mismatch in" in w and "from its next copy" in w and ckpt_of(cluster, "s1") in w
-               for w in loaded[0]["warnings"]), loaded[0]["warnings"]
+    assert [NEXT_COPY, damaged] in loaded[0]["warned"], loaded[0]["warnings"]  # left for the persistent copy
 
 
 @pytest.mark.engine
@@ -207,5 +208,5 @@ def test_a_damaged_replica_is_detected_and_the_next_copy_used(cluster):
     flip_bit(os.path.join(replica_dir, replica), w.offset + w.data_offset + 100)  # in rank 0's rows of w
     loaded = load_on(cluster, "s1", 1, whole=True, share_reads="off")
     assert all(r.get("equal") for r in loaded), loaded
-    assert any("checksum mismatch in" in w and os.path.join(local_view(cluster, replica_dir), replica) in w
-               and "from its next copy" in w for r in loaded for w in r["warnings"]), loaded
+    left = [w for r in loaded for said, w in zip(r["warned"], r["warnings"]) if tuple(said) == (NEXT_COPY, replica)]
+    assert left and all(os.path.join(local_view(cluster, replica_dir), replica) in w for w in left), loaded

@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -165,8 +166,14 @@ def main(action: str, args: dict) -> dict:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # tests/nodes.py asks a hung rank for its stacks
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
     warnings: list[str] = []
+    warned: list[tuple[Optional[str], Optional[str]]] = []  # each warning's event and the file it names, if any
+
+    def warning(record: logging.LogRecord) -> None:
+        warnings.append(record.getMessage())
+        warned.append((event_of(record), field_of(record, "file")))
+
     handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    handler.emit = warning  # type: ignore[method-assign]
     logging.getLogger("fastpersist_dist").addHandler(handler)
     # What this rank logged of: when its drain copied its data file, the replicas it received, and the advice
     # about a local tier in memory without huge pages
@@ -189,7 +196,7 @@ def main(action: str, args: dict) -> dict:
         MultiStorageClientFeature.enable()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    result: dict = {"rank": rank, "node": os.environ["GROUP_RANK"], "warnings": warnings, **kept}
+    result: dict = {"rank": rank, "node": os.environ["GROUP_RANK"], "warnings": warnings, "warned": warned, **kept}
     if action == "save":
         result["saves"] = [_save(rank, world, one) for one in args["saves"]]
     elif "loads" in args:  # several loads in turn, each with its own options over the common ones

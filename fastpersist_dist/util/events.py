@@ -18,6 +18,7 @@ COMMITTED_LOCALLY = "committed locally"  # a tiered checkpoint committed to the 
 DURABLE = "durable"  # a tiered checkpoint committed on the persistent tier (rank 0)
 COPIED = "copied"  # a rank's data file copied to the persistent tier, every block checked (``when``: at what point)
 WAITING_FOR_COPIES = "waiting for copies"  # a save into a directory whose earlier checkpoint's copies go on
+RETRYING = "retrying"  # a step on the persistent tier failed and is tried again after a pause
 NEXT_COPY = "next copy"  # a load left a copy of a data file (``file``, ``why``) for the next one
 FETCHED = "fetched"  # a load fetched a file (``file``) from an object store into the node's local copy
 

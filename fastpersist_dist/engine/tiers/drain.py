@@ -44,7 +44,7 @@ from ...storage.spans import Span, block_layout, block_spans
 from ...storage.files import TMP_SUFFIX
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
-from ...util.events import COPIED, DURABLE as DURABLE_EVENT, event
+from ...util.events import COPIED, DURABLE as DURABLE_EVENT, RETRYING, event
 from ..index_reader import read_index
 from .state import advance, drained_marker, failed_copies, mark_failed, pending_dir, poll_pauses, superseded
 
@@ -255,7 +255,7 @@ def _retrying(step: Callable[[], T], retry_s: float, what: str) -> T:
             # Spread: ranks refused at once (each found the room the others had just allocated) retry apart.
             wait = min(pause * random.uniform(0.75, 1.25), left)
             logger.warning("fastpersist: %s failed (%s); trying again in %.1f s (for %.0f s more)", what, e, wait,
-                           left)
+                           left, extra=event(RETRYING))
             time.sleep(wait)
             pause = min(pause * 2, LONGEST_PAUSE_S)
 
