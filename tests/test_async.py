@@ -177,7 +177,7 @@ def test_background_write_error_surfaces_at_finalize_on_all_ranks(tmp_path):
 
 def _waiter_of(writer: int) -> int:
     """The pid of this trainer's child that waits for ``writer`` (stopped) in an interpreter of its own: the
-    process megatron's queue forked, replaced by a fresh one; None while none is (yet)."""
+    process megatron's queue forked, replaced by a fresh one. Fails after a minute without one."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for task in os.listdir("/proc/self/task"):

@@ -73,7 +73,9 @@ def test_a_fresh_node_and_a_damaged_copy_read_the_persistent_tier(cluster):
     flip_bit(os.path.join(copy, damaged), 4096)
     loaded = load_on(cluster, "s1", 1)
     assert all(r["equal"] for r in loaded), loaded
-    assert [NEXT_COPY, damaged] in loaded[0]["warned"], loaded[0]["warnings"]  # left for the persistent copy
+    left = [w for said, w in zip(loaded[0]["warned"], loaded[0]["warnings"]) if tuple(said) == (NEXT_COPY, damaged)]
+    # left for the persistent copy, the warning naming the cause and the copy
+    assert left and all("checksum mismatch in" in w and ckpt_of(cluster, "s1") in w for w in left), loaded[0]
 
 
 @pytest.mark.engine
@@ -209,4 +211,5 @@ def test_a_damaged_replica_is_detected_and_the_next_copy_used(cluster):
     loaded = load_on(cluster, "s1", 1, whole=True, share_reads="off")
     assert all(r.get("equal") for r in loaded), loaded
     left = [w for r in loaded for said, w in zip(r["warned"], r["warnings"]) if tuple(said) == (NEXT_COPY, replica)]
-    assert left and all(os.path.join(local_view(cluster, replica_dir), replica) in w for w in left), loaded
+    assert left and all("checksum mismatch in" in w and os.path.join(local_view(cluster, replica_dir), replica) in w
+                        for w in left), loaded
