@@ -16,7 +16,9 @@ from ``megatron.training.checkpointing`` with a ``checkpointing_context`` as ``p
 (a fresh model, ``load_checkpoint`` from ``--load``, compared with what ``train`` left in
 ``CKPT_DIR/expected_rank<r>.pt``, then one more step and a save). With ``FASTPERSIST_ENABLE=1``
 the run calls ``fastpersist_dist.megatron_lm.enable()`` first, as a user's launcher would (with
-``FASTPERSIST_FORMAT`` as its checkpoint format, default torch_dist).
+``FASTPERSIST_FORMAT`` as its checkpoint format, default torch_dist). With ``HOLD_SAVE=N:DIR`` each rank,
+before the checkpoint of iteration N, leaves ``DIR/ready<rank>`` and waits for ``DIR/go`` (the test changes
+the world meanwhile: stops the object store).
 Prints one JSON line (``RESULT {...}``) for the test.
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -53,6 +56,16 @@ def _step(model: torch.nn.Module, optimizer, scheduler, args, seed: int) -> floa
     assert ok, "optimizer step skipped"
     scheduler.step(increment=args.global_batch_size)
     return float(loss)
+
+
+def _hold(iteration: int) -> None:
+    """``HOLD_SAVE``'s wait before the checkpoint of ``iteration`` (see the module)."""
+    held, _, where = os.environ.get("HOLD_SAVE", "").partition(":")
+    if held != str(iteration):
+        return
+    open(os.path.join(where, f"ready{torch.distributed.get_rank()}"), "w").close()
+    while not os.path.exists(os.path.join(where, "go")):
+        time.sleep(0.05)
 
 
 def main() -> None:
@@ -110,6 +123,7 @@ def main() -> None:
 
                 maybe_finalize_async_save(blocking=False)
             if iteration % args.save_interval == 0:
+                _hold(iteration)
                 checkpointing.save_checkpoint(iteration, models, optimizer, scheduler, 0,
                                               checkpointing_context=context)
                 saved.append(iteration)

@@ -32,6 +32,7 @@ from fastpersist_dist.engine.tiers.background import drainer
 from fastpersist_dist.engine.tiers.drain import STALE_COPY_S, Drain, _committed_index, _remove_stale_files
 from fastpersist_dist.engine.tiers.state import (POLL_OBJECT_STORE_S, POLL_S, drained_marker, failed_marker,
                                                  poll_pauses)
+from fastpersist_dist.engine.tiers.topology import drain_store
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import LOCAL, TierManifest
 from fastpersist_dist.storage.files import TMP_SUFFIX
@@ -259,7 +260,7 @@ def _saved_twice_into_one_directory(rank: int, world: int, root: str, second: st
     logging.getLogger("fastpersist_dist").addHandler(Release())
     if rank == 1:
         drainer().submit(Drain(held, os.path.join(root, "other"), os.path.join(root, "other-local"), rank, "test",
-                               "none", 0.0, None))
+                               "none", 0.0, None, drain_store(), world, []))
     if rank == 0:
         os.makedirs(ckpt)
     dist.barrier()

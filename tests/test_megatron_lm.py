@@ -247,13 +247,15 @@ ASYNC = ["--async-save", "--use-persistent-ckpt-worker"] + (
 
 
 def _run(phase: str, ckpt: Path, extra: list[str], launcher: list[str], env: dict, world: int = 2,
-         nodes: Optional[tuple[list[str], str]] = None) -> list[dict]:
+         nodes: Optional[tuple[list[str], str]] = None, save: Optional[str] = None) -> list[dict]:
     """Run the driver on ``world`` ranks; every rank's RESULT line, or the failure with its log tail.
 
     ``env``: the training environment (the ``megatron_lm_env`` fixture) plus the test's variables.
     ``nodes``: (node directories, local path): rank r is node r, seeing directory r at the local path.
+    ``save``: Megatron-LM's ``--save`` and ``--load`` (default ``ckpt``, where the driver keeps what it expects).
     """
-    argv = [*launcher, str(DRIVER), phase, str(ckpt), *TINY_GPT, "--save", str(ckpt), "--load", str(ckpt), *extra]
+    where = save or str(ckpt)
+    argv = [*launcher, str(DRIVER), phase, str(ckpt), *TINY_GPT, "--save", where, "--load", where, *extra]
     with serve_store(world) as store:  # the ranks join it as torchrun's do
         env = {**env, **store}
         ranks = [{"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world)]

@@ -31,6 +31,7 @@ from fastpersist_dist import (
 )
 from fastpersist_dist.engine.tiers.background import drainer
 from fastpersist_dist.engine.tiers.drain import Drain
+from fastpersist_dist.engine.tiers.topology import drain_store
 from fastpersist_dist.format.kinds import checkpoint_format
 from fastpersist_dist.format.tiers import local_copy_dir
 from fastpersist_dist.tools.ranks import run_ranks
@@ -121,7 +122,7 @@ def _saved_again_before_its_removal_ran(rank: int, world: int, root: str, prepar
     held: Future = Future()
     if rank == 0:
         drainer().submit(Drain(held, os.path.join(root, "other"), os.path.join(root, "other-local"), rank, "test",
-                               "none", 0.0, None))
+                               "none", 0.0, None, drain_store(), world, []))
     messages = logged("fastpersist_dist", logging.WARNING)
     plain = FastPersistSaveStrategy()
     p = _save(rank, world, root, "p", 1, None, plain)

@@ -12,7 +12,10 @@ Its ``--async-save`` queue becomes :class:`~.megatron_lm_queue.MegatronLMQueue`
 (the name Megatron-LM's ``megatron/training/async_utils.py`` makes it by:
 ``compat.MEGATRON_LM_ASYNC_SEAM``), which waits for our saves in a thread
 instead of forking the trainer per save, and hands other requests to
-megatron's queue. All else stays Megatron-LM's: the ``checkpointing_context``
+megatron's queue. With tiers, Megatron-LM's and megatron-core's own calls on the
+checkpoint directory while saving are kept off the persistent tier
+(``megatron_lm_files.py``): a persistent tier that cannot be reached does not
+stop training. All else stays Megatron-LM's: the ``checkpointing_context``
 cache, the fully-parallel load wrapper, ``metadata.json``, the tracker file and
 ``--load``::
 
@@ -47,6 +50,7 @@ from ..strategies.fastpersist_load import FastPersistLoadStrategy
 from ..strategies.fastpersist_save import FastPersistSaveStrategy
 from ..util.config import TierConfig
 from ..util.errors import FastPersistError
+from .megatron_lm_files import local_first
 from .megatron_lm_queue import queue_class
 
 logger = logging.getLogger(__name__)
@@ -186,6 +190,8 @@ def enable(checkpoint_format: str = "torch_dist", *, target: Optional[ModuleType
     save_strategy = FastPersistSaveStrategy(checkpoint_format, **knobs)
     replacements = {**seams.factories({save_name: save_strategy, load_name: FastPersistLoadStrategy()}),
                     compat.WRAPPER_SEAM: compat.FullyParallelSaveWrapper}
+    # with tiers, megatron's and Megatron-LM's own calls while saving kept off the persistent tier
+    replacements.update(local_first(lambda name: seams.original(FRAMEWORK, module, name), save_strategy.tiers))
     mismatch = "the way the one released with the installed megatron-core does; use matching versions"
     seams.replace(FRAMEWORK, [module], replacements, mismatch)
     if async_target is not None:

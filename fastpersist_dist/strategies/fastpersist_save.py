@@ -18,6 +18,7 @@ from ..engine.commit import keep_committed_aux_files
 from ..engine.save import SaveEngine
 from ..engine.staging import preprocessed
 from ..engine.tiers.save import TieredSave
+from ..engine.tiers.stand_in import persistent_for
 from ..format.kinds import checkpoint_format as checkpoint_format_named
 from ..storage.persistent import checkpoint_url, is_object_store
 from ..util.config import TierConfig, WriteConfig
@@ -115,9 +116,15 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         return True
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path]) -> None:
-        """Synchronous save: tensors are written from where they are, without a snapshot copy."""
+        """Synchronous save: tensors are written from where they are, without a snapshot copy.
+
+        A ``checkpoint_dir`` that is a node's copy standing in for a persistent
+        directory (``engine/tiers/stand_in.py``) saves to that directory; the
+        files megatron-core itself wrote are read where it was given.
+        """
         aux = self._aux_files(sharded_state_dict, checkpoint_dir)
-        self._engine.prepare(sharded_state_dict, checkpoint_url(checkpoint_dir), False, aux, tier=self._tier(checkpoint_dir)).run()
+        url = persistent_for(str(checkpoint_dir))
+        self._engine.prepare(sharded_state_dict, url, False, aux, tier=self._tier(url)).run()
 
     def async_save(
         self, sharded_state_dict: Any, checkpoint_dir: Union[str, Path], async_strategy: Optional[str] = None,
@@ -130,15 +137,14 @@ class FastPersistSaveStrategy(compat.SaveStrategyBase):
         aux = self._aux_files(sharded_state_dict, checkpoint_dir)
         request, unavailable = _request_type(async_strategy)
         # A queue this rank cannot serve is refused on every rank by the plan exchange, before anything is touched.
-        job = self._engine.prepare(sharded_state_dict, checkpoint_url(checkpoint_dir), True, aux, refusal=unavailable,
-                                   tier=self._tier(checkpoint_dir))
+        url = persistent_for(str(checkpoint_dir))
+        job = self._engine.prepare(sharded_state_dict, url, True, aux, refusal=unavailable, tier=self._tier(url))
         return request(job.write, job.args, job.finalize)
 
-    def _tier(self, checkpoint_dir: Union[str, Path]) -> Optional[TieredSave]:
+    def _tier(self, url: str) -> Optional[TieredSave]:
         """Collective where tiered: this save's copies."""
         if self.tiers is None:
             return None
-        url = checkpoint_url(checkpoint_dir)
         return TieredSave.start(self.tiers.for_checkpoint(url), url,
                                 compat.megatron_config(self.backend, self.version))
 

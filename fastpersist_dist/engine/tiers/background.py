@@ -1,6 +1,7 @@
 """The threads that move tiered checkpoints while training goes on: one commits async saves to the local tiers
 once written (``local_commit.py``), one replicates, one drains, one removes the local copies a node no longer
-keeps, one removes the checkpoints a framework's retention gives up (``removal.py``).
+keeps, one removes the checkpoints a framework's retention gives up (``removal.py``), one writes a framework's
+files that could not reach the persistent tier when written (:func:`after_copies`).
 
 Each runs its jobs one after another, in the order of the saves, so a rank's
 part of checkpoint N is done before its part of N+1, on every rank alike (the
@@ -31,6 +32,7 @@ import queue
 import threading
 import time
 from concurrent.futures import InvalidStateError
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 from ...storage.persistent import checkpoint_url
@@ -38,7 +40,8 @@ from ...util.beside import keep_helpers
 from ...util.events import WAITING_FOR_COPIES, event
 from ...util.per_process import PerProcess
 from ..writer_process import writer_client
-from .drain import Drain, drain
+from ...util.errors import FastPersistError
+from .drain import Drain, drain, retrying
 from .local_commit import LocalCommit, await_writers_and_commit, finalize_step
 from .removal import Removal, SavesBegun, remove
 from .replicate import Replication, replicate
@@ -129,11 +132,32 @@ def _remove(job: Removal) -> None:
     remove(job, _begun.get())
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A framework's write to the persistent tier that failed when made (:func:`after_copies`)."""
+
+    write: Callable[[], None]
+    what: str  # for messages: the file and where
+    retry_s: float
+    after: tuple[Drain, ...]  # the drains queued before it
+
+
+def _write_deferred(job: Deferred) -> None:
+    _until(lambda: not any(d is o for o in _drainer.get().open_jobs() for d in job.after))
+    try:
+        retrying(job.write, job.retry_s, f"writing {job.what}")
+    except FastPersistError as e:
+        logger.error("fastpersist: %s", e)
+        return
+    logger.info("fastpersist: wrote %s, once the persistent tier answered", job.what)
+
+
 _committer = PerProcess(lambda: Worker("fastpersist-commit", await_writers_and_commit))
 _replicator = PerProcess(lambda: Worker("fastpersist-replicate", replicate))
 _drainer = PerProcess(lambda: Worker("fastpersist-drain", drain))
 _retainer = PerProcess(lambda: Worker("fastpersist-retain", _retain))
 _remover = PerProcess(lambda: Worker("fastpersist-remove", _remove))
+_deferred = PerProcess(lambda: Worker("fastpersist-deferred", _write_deferred))
 _begun = PerProcess(SavesBegun)
 replicator: Callable[[], Worker[Replication]] = _replicator.get
 drainer: Callable[[], Worker[Drain]] = _drainer.get
@@ -144,7 +168,7 @@ def start_threads(replicas: bool) -> None:
     """Start the threads a tiered save's background work runs on (the replication's where ``replicas``), and their
     helpers (``util/beside.py``), unless running: its last checkpoint may be committed, replicated and drained
     while the process exits, when no thread can be started any more."""
-    for worker in (_committer, _drainer, _retainer) + ((_replicator,) if replicas else ()):
+    for worker in (_committer, _drainer, _retainer, _deferred) + ((_replicator,) if replicas else ()):
         worker.get()
     keep_helpers()
 
@@ -167,7 +191,7 @@ def replicating() -> frozenset[str]:
 
 def _workers() -> list[Worker[Any]]:
     """This process's workers made so far."""
-    return [w.get() for w in (_committer, _replicator, _drainer, _retainer, _remover) if w.made()]
+    return [w.get() for w in (_committer, _replicator, _drainer, _retainer, _remover, _deferred) if w.made()]
 
 
 def remove_checkpoint(path: str) -> None:
@@ -179,6 +203,14 @@ def remove_checkpoint(path: str) -> None:
     after = tuple(drains.open_jobs()) if drains is not None else ()
     newest = drains.last if drains is not None else None
     _remover.get().submit(Removal(checkpoint_url(path), after, newest, time.monotonic()))
+
+
+def after_copies(write: Callable[[], None], what: str, retry_s: float) -> None:
+    """``write()``, a framework's write to the persistent tier that failed just now (the tier down), made again in
+    the background once the drains queued so far are done, and tried again until ``retry_s``: a file naming a
+    checkpoint (Megatron-LM's tracker) is then never there before that checkpoint's files."""
+    after = tuple(_drainer.get().open_jobs()) if _drainer.made() else ()
+    _deferred.get().submit(Deferred(write, what, retry_s, after))
 
 
 def _copies_of(checkpoint_dir: str, local: Optional[str]) -> list[Any]:

@@ -1,5 +1,11 @@
 """The drain: a tiered checkpoint copied from the local tiers to the persistent tier, its index committed last.
 
+Rank 0's drain first makes the steps of the save's local commit that could not
+reach the persistent tier (``save.py``: an object store down during the
+save), tried again until ``retry_s``, and says in the default group's store
+whether they are made (``topology.drain_store``); the other ranks' drains wait
+for that before they copy anything there.
+
 Each rank's drain job is queued when its save is prepared and waits for the
 local commit to hand it the manifest (``Drain.committed``). Meanwhile, for an
 async save to a persistent directory, it already copies the rank's data file
@@ -12,8 +18,13 @@ finalize, where the local commit runs. A synchronous save's data file (its
 caller waits for the write and commits right after) and a file for an object
 store (uploaded whole) are copied after the local commit. Either way every
 block is checked against the index, and the rank leaves a marker there naming
-the checkpoint. Rank 0's drain, once every rank's marker is there, copies the
-index files in commit order (the format's marker last), then records the state
+the checkpoint (a load of a checkpoint not durable yet reads the files marked
+so). Then, whatever became of its copy, each rank counts itself done in the
+default group's store (``topology.drain_store``): one request per rank and
+checkpoint. Rank 0's drain waits for that count on its store, not on the
+persistent tier (on an object store each look would be a LIST), then lists the
+directory once, and where every data file's marker is there copies the index
+files in commit order (the format's marker last), records the state
 ``durable`` and removes the markers and the pending index. Nothing of the
 persistent directory's committed index exists before that: it never shows
 durable early.
@@ -22,8 +33,9 @@ A copy that fails for a reason other than the bytes (the store unreachable,
 the filesystem full) is tried again with growing pauses until
 ``TierConfig.retry_s`` has passed, each failure logged; a damaged source
 block is not retried. A rank whose copy failed for good leaves a failure
-marker, so rank 0 stops waiting and says which rank and why; the checkpoint
-stays in the local tiers (loadable there), and the next save goes on.
+marker, which rank 0's listing finds, saying which rank and why; the
+checkpoint stays in the local tiers (loadable there), and the next save goes
+on.
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
+import torch.distributed as dist
+
 from ...format.checksum import digest_bytes
 from ...format.records import INDEX_FILE, ShardRecord, is_data_file, status_file_name
 from ...format.tiers import DRAINED_PREFIX, DURABLE, TierManifest
@@ -46,7 +60,7 @@ from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
 from ...util.events import COPIED, DURABLE as DURABLE_EVENT, RETRYING, event
 from ..index_reader import read_index
-from .state import advance, drained_marker, failed_copies, mark_failed, pending_dir, poll_pauses, superseded
+from .state import advance, drained_marker, failed_copies, mark_failed, pending_dir, superseded
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +70,7 @@ LONGEST_PAUSE_S = 30.0
 
 
 WRITTEN_POLL_S = 0.01  # how often a copy waiting for the whole file looks for the writer's status
+COUNT_POLL_S = 0.2  # the longest pause of rank 0's wait between its looks at the count of ranks done (doubling)
 # A copy under a temporary name last written this long before a checkpoint's local commit is not one of that
 # checkpoint's (its copies are written after its call): an earlier save's that died, which rank 0 removes.
 STALE_COPY_S = 3600.0
@@ -87,6 +102,9 @@ class Drain:
     data_file: str  # this rank's
     retry_s: float
     planned: Optional[Planned]  # None: copied after the local commit (no data file, a synchronous save)
+    store: dist.Store  # topology.drain_store(): where each rank counts its part done
+    world: int  # the ranks that count themselves there
+    unpublished: list[Callable[[], None]]  # rank 0: its save's steps on the persistent tier still to make (save.py)
 
 
 def drain(job: Drain) -> None:
@@ -101,6 +119,11 @@ def drain(job: Drain) -> None:
         if early is not None:
             early.abandon()
         return
+    published = _published(job, m, who) if job.rank == 0 else (not m.persistent or _await_published(job, m, who))
+    if not (published and m.persistent):  # m.persistent: not kept local, the persistent tier too far behind
+        if early is not None:
+            early.abandon()
+        return
     start = time.perf_counter()
     try:
         _copy(job, m, home, early, who, start)
@@ -111,11 +134,26 @@ def drain(job: Drain) -> None:
 
 def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[PendingCopy], who: str,
           start: float) -> None:
+    try:
+        sizes = _copy_and_mark(job, m, home, early, who)
+    finally:
+        _count_done(job, m, who)
+    if job.rank == 0 and sizes is not None:
+        try:
+            _commit(home, m, sizes, job, start)
+        except FastPersistError as e:
+            logger.error("fastpersist: rank 0: %s stays in the local tiers (not durable): %s", m.checkpoint_dir, e)
+
+
+def _copy_and_mark(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[PendingCopy], who: str
+                   ) -> Optional[dict[str, int]]:
+    """This rank's data file copied and marked (its failure marked where it failed for good); the sizes of the
+    checkpoint's data files, or None where its copy failed or a newer save took the directory over."""
     index = read_index(job.local, who)
     size = index.files.get(job.data_file)
     try:
-        if _retrying(lambda: superseded(m), job.retry_s, f"{who}: reading the state of {m.checkpoint_dir}"):
-            return
+        if retrying(lambda: superseded(m), job.retry_s, f"{who}: reading the state of {m.checkpoint_dir}"):
+            return None
         if job.rank == 0:
             _remove_stale(home, m)
         if size is not None:  # a rank with nothing to write has no data file
@@ -126,24 +164,87 @@ def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[Pend
             if early is not None and _taken(early, spans, who, src):
                 _say_copied(who, src, dst, ONCE_WRITTEN, early.seconds, size)
             else:
-                seconds = _retrying(lambda: home.put(job.data_file, src, spans, size, who), job.retry_s,
+                seconds = retrying(lambda: home.put(job.data_file, src, spans, size, who), job.retry_s,
                                     f"{who}: copying {src} to {dst}")
                 _say_copied(who, src, dst, AFTER_COMMIT, seconds, size)
-        _retrying(lambda: home.write(drained_marker(m, job.data_file), b""), job.retry_s,
+        retrying(lambda: home.write(drained_marker(m, job.data_file), b""), job.retry_s,
                   f"{who}: marking {job.data_file} copied in {home.url}")
     except FastPersistError as e:
         logger.error("fastpersist: %s: %s stays in the local tiers: %s", who, m.checkpoint_dir, e)
         try:
             mark_failed(home, m, job.data_file, job.rank, str(e))
         except FastPersistError as again:
-            logger.error("fastpersist: %s: cannot leave the failure marker in %s either (%s): rank 0's drain of it "
-                         "waits until the next save into that directory", who, home.url, again)
-        return
-    if job.rank == 0:
+            logger.error("fastpersist: %s: cannot leave the failure marker in %s either (%s)", who, home.url, again)
+        return None
+    return index.files
+
+
+def _done_key(m: TierManifest) -> str:
+    return f"{m.checkpoint_id}/done"
+
+
+def _published_key(m: TierManifest) -> str:
+    return f"{m.checkpoint_id}/published"
+
+
+def _published(job: Drain, m: TierManifest, who: str) -> bool:
+    """Rank 0: the steps of ``m``'s save that could not reach the persistent tier made now, tried again until
+    ``retry_s``; whether every one is made, which the other ranks' drains learn from the store."""
+    try:
+        while job.unpublished:
+            retrying(job.unpublished[0], job.retry_s, f"{who}: writing the local commit of {m.checkpoint_dir} there")
+            job.unpublished.pop(0)
+        done = True
+    except FastPersistError as e:
+        logger.error("fastpersist: %s: %s stays in the local tiers: %s", who, m.checkpoint_dir, e)
+        done = False
+    if m.persistent:
         try:
-            _commit(home, m, index.files, job, start)
-        except FastPersistError as e:
-            logger.error("fastpersist: rank 0: %s stays in the local tiers (not durable): %s", m.checkpoint_dir, e)
+            job.store.set(_published_key(m), b"1" if done else b"0")
+        except RuntimeError as e:
+            logger.error("fastpersist: %s: cannot tell the other ranks that %s is %s (%s)", who, m.checkpoint_dir,
+                         "published" if done else "not published", e)
+    return done
+
+
+def _await_published(job: Drain, m: TierManifest, who: str) -> bool:
+    """Another rank: whether rank 0's drain wrote ``m``'s local commit on the persistent tier, once it says."""
+    key, pause = _published_key(m), COUNT_POLL_S / 16
+    try:
+        while not job.store.check([key]):
+            time.sleep(pause)
+            pause = min(pause * 2, COUNT_POLL_S)
+        return job.store.get(key) == b"1"
+    except RuntimeError as e:
+        logger.error("fastpersist: %s: cannot learn whether %s is published on the persistent tier (%s); not "
+                     "copying it there", who, m.checkpoint_dir, e)
+        return False
+
+
+def _count_done(job: Drain, m: TierManifest, who: str) -> None:
+    """Count this rank's part of ``m``'s drain over, whatever became of it: rank 0's drain waits for every rank's."""
+    try:
+        job.store.add(_done_key(m), 1)
+    except RuntimeError as e:  # torch's DistError family: the store's server is gone
+        logger.error("fastpersist: %s: cannot tell rank 0 that its copy of %s is over (%s); rank 0's drain of it "
+                     "waits for it", who, m.checkpoint_dir, e)
+
+
+def _await_every_rank(job: Drain, m: TierManifest) -> None:
+    """Rank 0: return once every rank counted its part of ``m``'s drain done (looks at the store only)."""
+    key, pause = _done_key(m), COUNT_POLL_S / 16
+    try:
+        while job.store.add(key, 0) < job.world:
+            time.sleep(pause)
+            pause = min(pause * 2, COUNT_POLL_S)
+    except RuntimeError as e:
+        raise FastPersistError(f"cannot learn from the process group's store whether every rank's copy is over: "
+                               f"{e}") from e
+    for done_with in (key, _published_key(m)):  # every rank has read both
+        try:
+            job.store.delete_key(done_with)
+        except RuntimeError as e:
+            logger.debug("fastpersist: rank 0: %s stays in the store: %s", done_with, e)
 
 
 def _taken(early: PendingCopy, spans: list[Span], who: str, src: str) -> bool:
@@ -188,27 +289,27 @@ def _copy_once_written(job: Drain, home: PersistentDir, who: str) -> Optional[Pe
 def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Drain, start: float) -> None:
     """Rank 0: wait for every rank's copy, then commit the index in the persistent directory."""
     wanted = {f for f in m.files if f in sizes}
-    pauses = poll_pauses(m.checkpoint_dir)
 
-    def retrying(step: Callable[[], T], what: str) -> T:
-        return _retrying(step, job.retry_s, f"rank 0: {what} {home.url}")
+    def tried(step: Callable[[], T], what: str) -> T:
+        return retrying(step, job.retry_s, f"rank 0: {what} {home.url}")
 
-    while True:
-        names = set(retrying(home.names, "listing"))
-        failed = failed_copies(home, m, names)
-        if failed:
-            logger.error("fastpersist: %s stays in the local tiers (not durable): %s", m.checkpoint_dir,
-                         " | ".join(failed.values()))
-            return
-        if all(drained_marker(m, f) in names for f in wanted):
-            break
-        if retrying(lambda: superseded(m), "reading the state of"):
-            return
-        time.sleep(next(pauses))
+    _await_every_rank(job, m)
+    names = set(tried(home.names, "listing"))
+    failed = failed_copies(home, m, names)
+    if failed:
+        logger.error("fastpersist: %s stays in the local tiers (not durable): %s", m.checkpoint_dir,
+                     " | ".join(failed.values()))
+        return
+    missing = sorted(f for f in wanted if drained_marker(m, f) not in names)
+    if missing:  # their ranks found that a newer save took the directory over
+        if not tried(lambda: superseded(m), "reading the state of"):
+            logger.error("fastpersist: %s stays in the local tiers (not durable): no copy of %s was marked checked "
+                         "in %s", m.checkpoint_dir, ", ".join(missing), home.url)
+        return
     index = _committed_index(m, job.local)
     for name, data in index.items():  # the format's marker is last among them
-        retrying(lambda: home.write(name, data), f"committing {name} in")
-    if not retrying(lambda: advance(m, DURABLE), "recording the state of"):
+        tried(lambda: home.write(name, data), f"committing {name} in")
+    if not tried(lambda: advance(m, DURABLE), "recording the state of"):
         return
     try:
         home.remove_all([drained_marker(m, f) for f in m.files])
@@ -239,7 +340,7 @@ def _committed_index(m: TierManifest, local: str) -> dict[str, bytes]:
     return index
 
 
-def _retrying(step: Callable[[], T], retry_s: float, what: str) -> T:
+def retrying(step: Callable[[], T], retry_s: float, what: str) -> T:
     """``step()``, tried again after failures other than damaged bytes until ``retry_s`` seconds have passed."""
     end = time.monotonic() + retry_s
     pause = FIRST_PAUSE_S

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ class LocalCommit:
     status: str  # the status file this rank's writer leaves once done (engine/status.py)
     group: dist.ProcessGroup  # commit_group()
     commit: Callable[[], TierManifest]  # TieredSave.commit, its collectives over ``group``
-    committed: Optional["Future[TierManifest]"]  # the drain's (TieredSave.drain_beside): told where none is made
+    committed: "Future[TierManifest]"  # the drain's (TieredSave.drain_beside): told where none is made
     result: "Future[TierManifest]" = field(default_factory=Future)
     written: threading.Event = field(default_factory=threading.Event)  # finalize: every rank's write is over
     given_up: threading.Event = field(default_factory=threading.Event)  # the process exits
@@ -79,11 +79,10 @@ def await_writers_and_commit(job: LocalCommit) -> None:
         job.result.set_result(job.commit())
     except BaseException as e:  # noqa: BLE001 - raised at finalize, on every rank alike
         logger.debug("fastpersist: rank %d: the local commit of %s failed: %s", job.rank, job.checkpoint_dir, e)
-        if job.committed is not None:  # where the commit was not reached, the drain learns it here
-            try:
-                job.committed.set_exception(e)
-            except InvalidStateError:  # told by the commit itself, or by the exit
-                pass
+        try:  # where the commit was not reached, the drain learns it here
+            job.committed.set_exception(e)
+        except InvalidStateError:  # told by the commit itself, or by the exit
+            pass
         job.result.set_exception(e)
 
 

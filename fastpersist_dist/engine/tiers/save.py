@@ -8,13 +8,27 @@ done, ``local_commit.py``, which its finalize waits for) writes the index into
 every node's copy and then its tiers manifest; rank 0 writes the index,
 not committed, into the persistent directory's ``PENDING_DIR`` (a node whose
 local tier is empty finds it there), the small files megatron reads before
-any strategy (``common.pt``), and the manifest in state ``local``: the
-checkpoint is loadable from the local tiers from then on. Then each rank
-hands its part to the background threads (``background.py``): the replicas
-(``replicate.py``, with ``replicas`` > 0) and the drain to the persistent tier
-(``drain.py``, unless ``persistent=False``: queued before the write, where it
-may already copy the data file, it waits for this commit to put the copy in
-place); and each node's first rank queues the retention (``retention.py``).
+any strategy (``common.pt``, ``metadata.json``), and the manifest in state
+``local``: the checkpoint is loadable from the local tiers from then on. Then
+each rank hands its part to the background threads (``background.py``): the
+replicas (``replicate.py``, with ``replicas`` > 0) and the drain (``drain.py``:
+queued before the write, where it may already copy the data file, it waits for
+this commit to put the copy in place); and each node's first rank queues the
+retention (``retention.py``).
+
+A save never waits for the persistent tier nor fails on it: where rank 0
+cannot reach it (an object store down) for the invalidation before the write
+or for the commit's files, the save goes on to the local tiers, and rank 0's
+drain makes those steps once the tier answers (``TierConfig.retry_s``), before
+any rank copies a data file there; a save of ``persistent=False`` is drained
+for that alone.
+
+The drain's backlog is bounded: where rank 0 finds the copies of
+``DRAIN_BACKLOG`` checkpoints committed before still under way (a persistent
+tier slower than the saves, or down), the checkpoint stays local, as one saved
+``persistent=False`` (its manifest says so, and ``keep_local`` removes it in
+turn), decided by rank 0 for every rank at once; the older checkpoints go on
+to durable, and the next save committed once fewer wait is drained.
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ import os
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -36,11 +50,11 @@ from ...format.records import INDEX_FILE, ShardRecord, status_file_name
 from ...format.tiers import LOCAL, TIERED_MARKERS, TIERS_FILE, TierManifest, local_copy_dir
 from ...plan.replicas import replica_nodes
 from ...storage.files import atomic_write, fsync_path, unlink_quietly
-from ...storage.persistent import persistent_dir, write_at_once
+from ...storage.persistent import PersistentDir, persistent_dir, write_at_once
 from ...storage.mounts import SHMEM_ENABLED, small_pages_in_memory
 from ...util.config import TierConfig, WriteConfig
 from ...util.errors import FastPersistError, SaveFailedError
-from ...util.events import COMMITTED_LOCALLY, event
+from ...util.events import COMMITTED_LOCALLY, NOT_DRAINED, UNREACHABLE, event
 from ..agreement import Agreement, failure
 from ..directory import invalidate
 from .background import begin_save, commit_beside, drainer, replicator, retainer, start_threads
@@ -49,9 +63,15 @@ from .local_commit import LocalCommit, commit_group
 from .replicate import Replication
 from .retention import Retention
 from .state import pending_dir
-from .topology import Topology, check_node_local, describe_node, replication_group, topology
+from .topology import Topology, check_node_local, describe_node, drain_store, replication_group, topology
 
 logger = logging.getLogger(__name__)
+
+# Checkpoints whose copies to the persistent tier may be under way when a save is committed locally; a save that
+# finds this many on rank 0 stays local (see the module). On a node, a save every few minutes and a copy at the
+# network's speed, one checkpoint copying and one waiting lets a burst of saves through, while a persistent tier
+# slower than the saves never makes the queue, its local copies (kept until durable) and its memory grow.
+DRAIN_BACKLOG = 2
 
 
 @dataclass(frozen=True)
@@ -69,6 +89,9 @@ class TieredSave:
     # after the strategy's, at finalize for an async save: rank 0 writes them to the persistent directory with
     # the local commit, so that a checkpoint its manifest calls local (or durable) is one megatron's load() takes.
     megatron_files: dict[str, bytes]
+    # Rank 0: the steps on the persistent tier (the invalidation, the commit's files) that could not be made during
+    # the save, in order: its drain makes them once the tier answers (``drain.py``).
+    unpublished: list[Callable[[], None]] = field(default_factory=list)
 
     @classmethod
     def start(cls, config: TierConfig, checkpoint_dir: str, megatron_files: dict[str, bytes]) -> "TieredSave":
@@ -111,37 +134,49 @@ class TieredSave:
         markers (rank 0): an overwritten checkpoint is recognisably incomplete in every tier from here on."""
         if self.node_leader:
             invalidate(self.local, rewritten)
-        if self.rank == 0:  # one listing (a request to an object store): a new directory has none of them
-            home = persistent_dir(self.checkpoint_dir)
-            present = set(home.names()).intersection(TIERED_MARKERS)
-            for name in sorted(present):
-                home.remove(name)
-            if present and home.local_path is not None:
-                fsync_path(home.local_path)
+        if self.rank == 0:
+            self._on_persistent_tier(partial(_remove_markers, persistent_dir(self.checkpoint_dir)))
+
+    def _on_persistent_tier(self, step: Callable[[], None]) -> None:
+        """Rank 0: ``step`` made on the persistent tier now; where the tier cannot be reached, or an earlier step
+        of this save is still waiting, kept for the drain, which makes it once the tier answers: a tiered save
+        neither waits for the persistent tier nor fails on it."""
+        if not self.unpublished:
+            try:
+                step()
+                return
+            except (OSError, FastPersistError) as e:
+                logger.warning("fastpersist: rank 0: the persistent tier of %s cannot be reached (%s); the save goes "
+                               "on to the local tiers, and its drain writes there once it answers (for retry_s=%.0f s)",
+                               self.checkpoint_dir, e, self.config.retry_s,
+                               extra=event(UNREACHABLE, checkpoint=self.checkpoint_dir))
+        self.unpublished.append(step)
 
     def drain_beside(self, data_file: str, records: list[ShardRecord], config: WriteConfig, beside_writer: bool
-                     ) -> Optional["Future[TierManifest]"]:
+                     ) -> "Future[TierManifest]":
         """Once every rank agreed to write, before the write: this rank's drain queued (``drain.py``); the future
-        that :meth:`commit` resolves. None for a save the persistent tier never gets (``persistent=False``).
+        that :meth:`commit` resolves.
 
         Where the write runs in the rank's writer process (``beside_writer``:
         an async save; a synchronous save's caller waits for its write and
         commits right after), the drain copies the data file (planned as
         ``records``) to a persistent directory once it is written, without
-        waiting for the local commit; else after the commit.
+        waiting for the local commit; else after the commit. A save the
+        persistent tier never gets (``persistent=False``) is drained too: rank
+        0's drain makes the steps of its local commit that could not reach the
+        persistent tier.
         """
-        if not self.config.persistent:
-            return None
         # The writer's own first step, taken before the drain looks: it follows only the file of this save.
         unlink_quietly(os.path.join(self.local, data_file))
         committed: Future[TierManifest] = Future()
-        planned = Planned(tuple(records), config.checksum_block_bytes) if records and beside_writer else None
+        early = records and beside_writer and self.config.persistent
+        planned = Planned(tuple(records), config.checksum_block_bytes) if early else None
         drainer().submit(Drain(committed, self.checkpoint_dir, self.local, self.rank, describe_node(), data_file,
-                               self.config.retry_s, planned))
+                               self.config.retry_s, planned, drain_store(), dist.get_world_size(), self.unpublished))
         return committed
 
     def commit(self, finalize: Callable[..., Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
-               aux_files: dict[str, bytes], committed: Optional["Future[TierManifest]"],
+               aux_files: dict[str, bytes], committed: "Future[TierManifest]",
                beside: Optional[dist.ProcessGroup] = None) -> TierManifest:
         """Collective: the local commit (see the module), then the background work handed this checkpoint.
 
@@ -155,16 +190,13 @@ class TieredSave:
         try:
             manifest = self._commit(partial(finalize, beside=beside), fmt, aux_files, beside)
         except BaseException as e:
-            if committed is not None:
-                committed.set_exception(e)
+            committed.set_exception(e)
             raise
-        if committed is not None:
-            committed.set_result(manifest)
+        committed.set_result(manifest)
         return manifest
 
     def commit_when_written(self, finalize: Callable[..., Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
-                            aux_files: dict[str, bytes], committed: Optional["Future[TierManifest]"]
-                            ) -> Callable[[], None]:
+                            aux_files: dict[str, bytes], committed: "Future[TierManifest]") -> Callable[[], None]:
         """Collective (on a process's first async tiered save: the commit group): an async save's :meth:`commit`,
         queued to run beside training once every rank's writer is done (``local_commit.py``); the save's finalize
         step, which waits for it and raises its error."""
@@ -181,25 +213,30 @@ class TieredSave:
             raise SaveFailedError(f"{e} [local tier {self.config.local_dir} on each node; "
                                   f"{self.topology.describe()}]") from e
         assert files is not None
-        holder: list[Any] = [uuid.uuid4().hex if self.rank == 0 else None]
+        behind = drainer().pending if self.rank == 0 and self.config.persistent else 0
+        holder: list[Any] = [(uuid.uuid4().hex, behind) if self.rank == 0 else None]
         dist.broadcast_object_list(holder, src=0, group=beside)
+        checkpoint_id, behind = holder[0]
+        drained = self.config.persistent and behind < DRAIN_BACKLOG
         manifest = TierManifest(
-            checkpoint_id=holder[0], checkpoint_dir=self.checkpoint_dir, local_dir=self.config.local_dir,
+            checkpoint_id=checkpoint_id, checkpoint_dir=self.checkpoint_dir, local_dir=self.config.local_dir,
             nodes=self.topology.nodes, files={fmt.data_file(r): r for r in range(dist.get_world_size())},
             index_files=tuple(name for name, _ in files), index_xxh3_64=digest_bytes(dict(files)[INDEX_FILE]),
-            state=LOCAL, created=time.time(), persistent=self.config.persistent, replica_nodes=self.replicas)
+            state=LOCAL, created=time.time(), persistent=drained, replica_nodes=self.replicas)
+        if self.rank == 0 and self.config.persistent and not drained:
+            logger.warning("fastpersist: the persistent tier is behind: the copies of the %d checkpoints saved before "
+                           "are still under way, so %s stays in the local tiers, not drained (a local checkpoint, "
+                           "as with persistent=False); the next save once fewer than %d wait is drained", behind,
+                           self.checkpoint_dir, DRAIN_BACKLOG, extra=event(NOT_DRAINED, checkpoint=self.checkpoint_dir))
         error = None
         try:
             if self.node_leader:
                 for name, data in files:
                     atomic_write(os.path.join(self.local, name), data)
                 atomic_write(os.path.join(self.local, TIERS_FILE), manifest.to_json_bytes())
-            if self.rank == 0:  # megatron reads common.pt before asking any strategy; the manifest last
-                home = persistent_dir(self.checkpoint_dir)
-                pending = pending_dir(home)
-                write_at_once([(pending, name, data) for name, data in files]
-                              + [(home, name, data) for name, data in {**aux_files, **self.megatron_files}.items()])
-                home.write(TIERS_FILE, manifest.to_json_bytes())
+            if self.rank == 0:
+                self._on_persistent_tier(partial(_publish, persistent_dir(self.checkpoint_dir), files,
+                                                 {**aux_files, **self.megatron_files}, manifest.to_json_bytes()))
         except (OSError, FastPersistError) as e:
             error = f"rank {self.rank} ({describe_node()}): {type(e).__name__}: {e}"
         what = f"cannot commit checkpoint {self.checkpoint_dir} to the local tiers"
@@ -207,7 +244,7 @@ class TieredSave:
                   f"{what}; rank {self.rank}: a rank died or timed out").agree(failure(error), beside)
         if self.rank == 0:
             logger.info("fastpersist: %s committed to the local tiers of %d nodes (%s)%s", self.checkpoint_dir,
-                        len(self.topology.nodes), self.local, self._next_steps(),
+                        len(self.topology.nodes), self.local, self._next_steps(drained),
                         extra=event(COMMITTED_LOCALLY, checkpoint=self.checkpoint_dir))
         if self.group is not None:
             replicator().submit(Replication(manifest, self.local, self.rank, describe_node(), self.group))
@@ -215,10 +252,30 @@ class TieredSave:
             retainer().submit(Retention(self.config, manifest))
         return manifest
 
-    def _next_steps(self) -> str:
+    def _next_steps(self, drained: bool) -> str:
         steps = [f"replicating it to {self.config.replicas} other nodes"] if self.group is not None else []
-        steps += ["copying it to the persistent tier"] if self.config.persistent else []
+        steps += ["copying it to the persistent tier"] if drained else []
         return f"; {' and '.join(steps)} in the background" if steps else " (a local checkpoint only)"
+
+
+def _remove_markers(home: PersistentDir) -> None:
+    """The commit markers of a checkpoint saved into ``home`` before, removed (one listing: a request to an object
+    store; a new directory has none)."""
+    present = set(home.names()).intersection(TIERED_MARKERS)
+    for name in sorted(present):
+        home.remove(name)
+    if present and home.local_path is not None:
+        fsync_path(home.local_path)
+
+
+def _publish(home: PersistentDir, index_files: list[tuple[str, bytes]], small_files: dict[str, bytes],
+             manifest: bytes) -> None:
+    """A local commit's files on the persistent tier: the index, not committed (``PENDING_DIR``: a node whose local
+    tier is empty finds it there), the small files megatron reads before asking any strategy (``common.pt``,
+    ``metadata.json``), then the manifest."""
+    write_at_once([(pending_dir(home), name, data) for name, data in index_files]
+                  + [(home, name, data) for name, data in small_files.items()])
+    home.write(TIERS_FILE, manifest)
 
 
 _advised: set[str] = set()  # the local tiers this process has said it of

@@ -168,6 +168,13 @@ def replication_group() -> dist.ProcessGroup:
     return known[world]
 
 
+def drain_store() -> dist.Store:
+    """Where each rank's drain counts itself done (``drain.py``): the default group's store (torchrun's, or the
+    one rank 0 serves), under a prefix of its own; held by the drain jobs, it outlives a script's
+    ``destroy_process_group()``, as the replication group does."""
+    return dist.PrefixStore("fastpersist-drain/", dist.distributed_c10d._get_default_store())
+
+
 def release_replication_groups() -> None:
     """Let this process's replication groups go (once its replicas are done, at exit): a gloo group still held
     when the interpreter finalizes can abort the process."""
