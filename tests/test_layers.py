@@ -28,7 +28,8 @@ RANKS = {
     "tools": 7,
 }
 # The public surface: the package itself and the entry points users import or run with -m.
-SURFACE = {"fastpersist_dist", "fastpersist_dist.megatron_lm", "fastpersist_dist.nemo", "fastpersist_dist.verify"}
+SURFACE = {"fastpersist_dist", "fastpersist_dist.dcp", "fastpersist_dist.megatron_lm", "fastpersist_dist.nemo",
+           "fastpersist_dist.verify"}
 pytestmark = pytest.mark.engine
 
 

@@ -11,9 +11,7 @@ import io
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from ..format.records import COMMON_FILE
-
-COMMON_STATE_KEY = "common_state"  # the ShardedObject megatron's save() adds
+from ..format.records import COMMON_FILE, COMMON_STATE_KEY
 
 
 def common_files(sharded_state_dict: dict, checkpoint_dir: str, rank: int, write_common_pt: bool) -> dict[str, bytes]:

@@ -109,10 +109,15 @@ def without_strides(metadata: Metadata) -> Metadata:
     return metadata
 
 
-def metadata_bytes(records: Iterable[ShardRecord], checkpoint_dir: str) -> bytes:
+def pickled(metadata: Metadata) -> bytes:
     """``.metadata`` as torch's ``FileSystemWriter.finish`` pickles it, readable by older torch (see above)."""
     out = io.BytesIO()
     pickler = pickle.Pickler(out)
     pickler.dispatch_table = {**copyreg.dispatch_table, TensorProperties: _tensor_properties_portably}
-    pickler.dump(build_metadata(records, checkpoint_dir))
+    pickler.dump(metadata)
     return out.getvalue()
+
+
+def metadata_bytes(records: Iterable[ShardRecord], checkpoint_dir: str) -> bytes:
+    """``.metadata`` of ``records`` (:func:`build_metadata`), pickled."""
+    return pickled(build_metadata(records, checkpoint_dir))

@@ -45,6 +45,7 @@ FORMAT_VERSIONS = {CONTAINER_RAW: 1, CONTAINER_TORCH_SAVE: 2}
 _FILE_RE = {CONTAINER_RAW: DATA_FILE_RE, CONTAINER_TORCH_SAVE: DCP_FILE_RE}
 _AUX_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a name in the checkpoint directory, no path
 COMMON_FILE = "common.pt"  # megatron-core's common state, which every megatron-core up to 0.18 loads from
+COMMON_STATE_KEY = "common_state"  # the ShardedObject megatron-core 0.19's save() hands the common state in
 
 
 def aux_copy_name(name: str) -> str:

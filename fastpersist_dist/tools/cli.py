@@ -129,6 +129,7 @@ def verify(args: argparse.Namespace) -> int:
     """``verify``: every problem, then one summary line."""
     from ..util.progress import ProgressLine, shown
     from ..util.wording import counted
+    from .dcp_files import NO_CHECKSUMS
     from .verify import verify_checkpoint
 
     with shown(ProgressLine(sys.stderr, "verify: checksummed")):
@@ -138,11 +139,10 @@ def verify(args: argparse.Namespace) -> int:
     for problem in report.problems:
         print(f"PROBLEM: {problem}")
     state = "OK" if report.ok else f"FAILED ({counted(len(report.problems), 'problem')})"
-    print(
-        f"verify: {report.directory}: {state}; {counted(report.tensors, 'tensor')} in "
-        f"{counted(report.records, 'record')}, "
-        f"{report.bytes_checked / 2**30:.3f} GiB checksummed"
-    )
+    checked = f"{report.bytes_checked / 2**30:.3f} GiB checksummed" if report.checksummed else \
+        f"{NO_CHECKSUMS}; file sizes checked"
+    print(f"verify: {report.directory}: {state}; {counted(report.tensors, 'tensor')} in "
+          f"{counted(report.records, 'record')}, {checked}")
     return 0 if report.ok else 1
 
 

@@ -28,6 +28,7 @@ from ..format.index_pages import PART_FILE_RE
 from ..format.kinds import BACKENDS, BY_CONTAINER, DCP_METADATA_FILE, MEGATRON_CONFIG_FILE
 from ..format.records import (
     COMMON_FILE,
+    COMMON_STATE_KEY,
     INDEX_FILE,
     STATUS_FILE_RE,
     CheckpointIndex,
@@ -40,12 +41,14 @@ from ..storage.files import file_digest
 from ..storage.persistent import PosixDir, is_object_store, persistent_dir
 from ..util.errors import FastPersistError, IncompleteCheckpointError
 from ..util.wording import counted
+from .dcp_files import NO_CHECKSUMS, dcp_files
 
 WHO = "inspect"
 NOT_COMMITTED = "NOT committed (incomplete checkpoint)"
 # InspectReport.index: what became of reading fastpersist_index.json.
 INDEX_COMMITTED, INDEX_MISSING, INDEX_INVALID = "committed", "missing", "invalid"
 INDEX_PENDING = "pending"  # a tiered checkpoint not durable yet: committed on the local tiers, its index in PENDING_DIR
+INDEX_NONE, DCP_OTHER = "none", "torch DCP"  # DCP's files of another writer: committed by its .metadata, no index
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class InspectReport:
     @property
     def committed(self) -> bool:
         """True when the index is present and valid: the save finished (on the local tiers, for a tiered one)."""
-        return self.index in (INDEX_COMMITTED, INDEX_PENDING)
+        return self.index in (INDEX_COMMITTED, INDEX_PENDING, INDEX_NONE)
 
     @property
     def ok(self) -> bool:
@@ -135,7 +138,6 @@ def inspect_checkpoint(checkpoint_dir: str) -> InspectReport:
     except OSError as e:
         raise FastPersistError(f"cannot list {checkpoint_dir}: {e}") from None
     report = InspectReport(checkpoint_dir, present_files=_our_files(checkpoint_dir, names))
-    _read_metadata(report)
     index_dir = checkpoint_dir
     try:
         report.tiers = tier_summary(checkpoint_dir)
@@ -146,12 +148,22 @@ def inspect_checkpoint(checkpoint_dir: str) -> InspectReport:
     try:
         index = read_unchecked_index(index_dir, WHO)
     except IncompleteCheckpointError:
+        foreign = dcp_files(checkpoint_dir)
+        if foreign is not None:
+            report.index, report.format, report.files = INDEX_NONE, DCP_OTHER, foreign.files
+            report.entries = [EntrySummary(k, kind, dtype, shape, n, n, size)
+                              for k, kind, dtype, shape, n, size in foreign.entries]
+            report.problems.extend(foreign.problems)
+            return report
+        _read_metadata(report, True)
         report.problems.append(f"{checkpoint_dir}: {NOT_COMMITTED}: it has no {INDEX_FILE}")
         return report
     except FastPersistError as e:
+        _read_metadata(report, True)
         report.index = INDEX_INVALID
         report.problems.append(str(e))
         return report
+    _read_metadata(report, megatron_made(index))
     report.index = INDEX_COMMITTED if index_dir == checkpoint_dir else INDEX_PENDING
     report.format = BY_CONTAINER[index.container].name
     report.problems.extend(format_problems(report.backend, index))
@@ -245,15 +257,23 @@ def _our_files(checkpoint_dir: str, names: list[str]) -> dict[str, int]:
     return ours
 
 
-def metadata_backend(checkpoint_dir: str) -> tuple[Optional[str], Optional[int], list[str]]:
-    """Backend, version and problems of megatron's metadata.json, read by megatron's own reader."""
+def megatron_made(index: CheckpointIndex) -> bool:
+    """Whether megatron-core's ``save()`` made ``index``'s checkpoint: it holds megatron's common state
+    (``common.pt`` beside it, or 0.19's ``common_state`` object), which a torch DCP checkpoint written by
+    ``FastPersistWriter`` has not. megatron's ``load()`` needs its ``metadata.json``; DCP's does not."""
+    return COMMON_FILE in index.aux_files or any(r.key == COMMON_STATE_KEY for r in index.records)
+
+
+def metadata_backend(checkpoint_dir: str, required: bool = True) -> tuple[Optional[str], Optional[int], list[str]]:
+    """Backend, version and problems of megatron's metadata.json, read by megatron's own reader (its absence a
+    problem where ``required``)."""
     path = os.path.join(checkpoint_dir, MEGATRON_CONFIG_FILE)
     try:
         config = maybe_load_config(checkpoint_dir)
     except (OSError, ValueError, TypeError) as e:
         return None, None, [f"{path} is unreadable: {e}"]
     if config is None:
-        return None, None, [f"{path} is missing: dist_checkpointing.load will refuse this directory"]
+        return None, None, [f"{path} is missing: dist_checkpointing.load will refuse this directory"] * required
     found = (config.sharded_backend, config.sharded_backend_version)
     if found not in BACKENDS:
         return (*found, [f"{path} names backend {found[0]} version {found[1]}, "
@@ -272,9 +292,9 @@ def format_problems(backend: Optional[str], index: CheckpointIndex) -> list[str]
             "fastpersist_dist.FullyParallelSaveWrapper; FastPersistLoadStrategy still reads this checkpoint)"]
 
 
-def _read_metadata(report: InspectReport) -> None:
-    report.backend, report.backend_version, problems = metadata_backend(report.directory)
-    report.problems.extend(problems)
+def _read_metadata(report: InspectReport, required: bool) -> None:
+    report.backend, report.backend_version, problems = metadata_backend(report.directory, required)
+    report.problems[:0] = problems
 
 
 def _entries(index: CheckpointIndex, problems: list[str]) -> list[EntrySummary]:
@@ -349,12 +369,13 @@ def format_report(report: InspectReport) -> str:
     else:
         files = ("torch DCP files (.metadata, __<rank>_0.distcp)" if report.format == "torch_dist"
                  else "FastPersist data files")
-        lines.append(f"format: {report.format}: {files}, checksums in {INDEX_FILE}")
-        where = "committed" if report.index == INDEX_COMMITTED else f"committed on the local tiers ({PENDING_DIR})"
-        lines.append(
-            f"index: {where}; written by {report.world_size} ranks; checksums per "
-            f"{_size(report.checksum_block_bytes or 0)}"
-        )
+        if report.index == INDEX_NONE:
+            lines.append(f"format: {NO_CHECKSUMS}")
+        else:
+            lines.append(f"format: {report.format}: {files}, checksums in {INDEX_FILE}")
+            where = "committed" if report.index == INDEX_COMMITTED else f"committed on the local tiers ({PENDING_DIR})"
+            lines.append(f"index: {where}; written by {report.world_size} ranks; checksums per "
+                         f"{_size(report.checksum_block_bytes or 0)}")
         tensors = [e for e in report.entries if e.kind == "tensor"]
         objects = [e for e in report.entries if e.kind != "tensor"]
         records = sum(e.records for e in report.entries)

@@ -4,7 +4,9 @@ Checks, and reports every problem found rather than the first: megatron's
 ``metadata.json`` names our backend; the index is committed, intact and valid;
 every data file exists with the size the index gives; every byte of every
 record matches its block checksums; every global tensor is covered exactly once
-and no object shard appears twice.
+and no object shard appears twice. Of a torch DCP checkpoint of another writer
+(no index of ours), only that each file holds the bytes its ``.metadata`` places
+there (``dcp_files.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from ..format.records import CheckpointIndex
 from ..storage.reader import ShardReader
 from ..util import progress
 from ..util.errors import FastPersistError
-from .inspect import format_problems, metadata_backend
+from .dcp_files import dcp_files
+from .inspect import format_problems, megatron_made, metadata_backend
 
 WHO = "verify"
 
@@ -33,6 +36,7 @@ class VerifyReport:
     records: int = 0
     tensors: int = 0
     bytes_checked: int = 0
+    checksummed: bool = True  # False: torch DCP files of another writer, their sizes checked only
 
     @property
     def ok(self) -> bool:
@@ -44,15 +48,23 @@ def verify_checkpoint(checkpoint_dir: str) -> VerifyReport:
     """Check ``checkpoint_dir`` completely; raises only if it is not a directory."""
     if not os.path.isdir(checkpoint_dir):
         raise FastPersistError(f"{WHO}: {checkpoint_dir} is not a directory")
-    backend, _, problems = metadata_backend(checkpoint_dir)
-    report = VerifyReport(checkpoint_dir, problems=problems)
+    report = VerifyReport(checkpoint_dir)
+    foreign = dcp_files(checkpoint_dir)
+    if foreign is not None:  # its sizes only: it has no checksums
+        report.problems, report.checksummed = foreign.problems, False
+        report.records = sum(e[4] for e in foreign.entries)
+        report.tensors = sum(e[1] == "tensor" for e in foreign.entries)
+        return report
     try:
         top = read_top(checkpoint_dir, WHO)
         index = _all_parts(checkpoint_dir, top, report.problems) if isinstance(top, PagedIndex) else top
         check_markers(checkpoint_dir, index, WHO)
     except FastPersistError as e:
+        report.problems[:0] = metadata_backend(checkpoint_dir)[2]
         report.problems.append(str(e))
         return report
+    backend, _, problems = metadata_backend(checkpoint_dir, megatron_made(index))
+    report.problems[:0] = problems
     report.problems.extend(format_problems(backend, index))
     report.records = len(index.records)
     report.tensors = len({r.key for r in index.records if r.kind == "tensor"})
