@@ -26,7 +26,8 @@ QUIET_ENV = "FASTPERSIST_QUIET"
 
 # Contenders of `bench` in table order (fastpersist_dist.tools.bench.baselines.CONTENDERS implements them)
 DEFAULT_CONTENDERS = ("device_bound", "device_bound_checksummed", "fastpersist", "fastpersist_async", "fastpersist_dcp",
-                      "torch_dist", "torch_dist_fully_parallel", "torch_save")
+                      "fastpersist_dcp_writer", "torch_dist", "torch_dist_fully_parallel", "dcp_filesystem", "dcp_async",
+                      "torch_save")
 CONTENDER_NAMES = DEFAULT_CONTENDERS + ("fastpersist_local_tier", "fastpersist_unbalanced", "fastpersist_unshared",
                                         "fastpersist_dcp_ours", "fastpersist_dcp_fully_parallel", "nvrx_local")
 

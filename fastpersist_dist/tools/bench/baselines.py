@@ -38,6 +38,7 @@ from ...storage.files import fsync_path
 from ...strategies.fastpersist_load import FastPersistLoadStrategy
 from ...strategies.fastpersist_save import FastPersistSaveStrategy
 from ...util.config import TierConfig, WriteConfig
+from . import dcp_contenders
 
 SHIM_NOTE = "torch_dist ran with torch.cuda.synchronize/current_device stubbed (CPU-only torch)"
 DEVICE_BOUND = "device_bound"
@@ -317,6 +318,15 @@ CONTENDERS: dict[str, Contender] = {
     "torch_dist_fully_parallel": Contender(_fully_parallel_save, _megatron_load, True,
                                            "megatron FullyParallelSaveStrategyWrapper(torch_dist)"),
     "torch_save": Contender(_torch_save, _torch_load, False, "torch.save of each rank's main replicas + fsync"),
+    "dcp_filesystem": Contender(dcp_contenders.filesystem_save, dcp_contenders.filesystem_load, True,
+                                "torch.distributed.checkpoint's FileSystemWriter (a thread per core of the rank) "
+                                "and FileSystemReader, the state as DTensors"),
+    "dcp_async": Contender(dcp_contenders.async_save, dcp_contenders.filesystem_load, True,
+                           "dcp.async_save, process kind, shared-memory staging (pinned where there is a GPU), "
+                           "FileSystemWriter, until written"),
+    "fastpersist_dcp_writer": Contender(dcp_contenders.ours_save, dcp_contenders.ours_load, True,
+                                        "FastPersist through torch.distributed.checkpoint: FastPersistWriter and "
+                                        "FastPersistReader, the state as DTensors"),
     "nvrx_local": Contender(_nvrx_local_save, _nvrx_local_load, False,
                             f"nvidia-resiliency-ext's LocalCheckpointManager, {NVRX_ALGO!r} algorithm (needs "
                             "nvidia_resiliency_ext importable)"),
@@ -324,4 +334,5 @@ CONTENDERS: dict[str, Contender] = {
 # The table's rows when none are named, in order (fastpersist_dist_cli checks arguments against its own copy of
 # these names before importing this package; tests/test_cli_startup.py keeps the two equal).
 DEFAULT_CONTENDERS = (DEVICE_BOUND, CHECKSUMMED_BOUND, "fastpersist", "fastpersist_async", "fastpersist_dcp",
-                      "torch_dist", "torch_dist_fully_parallel", "torch_save")
+                      "fastpersist_dcp_writer", "torch_dist", "torch_dist_fully_parallel", "dcp_filesystem",
+                      "dcp_async", "torch_save")

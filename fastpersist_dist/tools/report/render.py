@@ -28,7 +28,10 @@ DETAIL_ROWS = {
     "fastpersist": "FastPersist, native",
     "fastpersist_async": "FastPersist async, until durable",
     "fastpersist_dcp": "FastPersist, torch_dist format",
+    "fastpersist_dcp_writer": "FastPersist through torch DCP",
     "torch_dist": "megatron torch_dist",
+    "dcp_filesystem": "torch DCP FileSystemWriter",
+    "dcp_async": "torch DCP async_save (process), until written",
     "torch_save": "torch.save + fsync",
     "fastpersist_unshared": "FastPersist, loads unshared",
 }
@@ -39,7 +42,10 @@ BENCH_ROWS = {
     "device_bound": "device bound (O_DIRECT aio, no copy, no checksum)",
     "fastpersist": "FastPersist, native format",
     "fastpersist_dcp": "FastPersist, torch_dist format",
+    "fastpersist_dcp_writer": "FastPersist through torch DCP (`FastPersistWriter`)",
     "torch_dist": "megatron torch_dist",
+    "dcp_filesystem": "torch DCP `FileSystemWriter`",
+    "dcp_async": "torch DCP `async_save` (process kind), until written",
     "torch_save": "torch.save + fsync",
 }
 BENCH_RANKS = 2
