@@ -78,7 +78,6 @@ class FastPersistWriter(StorageWriter):
             raise ValueError("pass either config= or individual knobs, not both")
         self.path = os.path.abspath(str(path))
         self.config = config or WriteConfig(**knobs)
-        self.is_coordinator = False
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -88,7 +87,6 @@ class FastPersistWriter(StorageWriter):
         """The coordinator makes the directory and takes the commit markers of a checkpoint there away (and its
         files but for the data files this save rewrites) before any rank writes: DCP's planning collectives
         come between."""
-        self.is_coordinator = is_coordinator
         if is_coordinator:
             os.makedirs(self.path, exist_ok=True)
             world = dist.get_world_size() if dist.is_initialized() else 1

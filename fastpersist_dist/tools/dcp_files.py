@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -17,11 +17,22 @@ from ..format.records import INDEX_FILE, KIND_OBJECT, KIND_TENSOR, dtype_name
 NO_CHECKSUMS = f"torch DCP files without {INDEX_FILE} (written by another DCP writer): no checksums"
 
 
+class DcpEntry(NamedTuple):
+    """One entry of ``.metadata``: a tensor stored in ``chunks`` chunks, or an object."""
+
+    key: str
+    kind: str
+    dtype: Optional[str]
+    global_shape: tuple[int, ...]
+    chunks: int
+    bytes: int
+
+
 @dataclass
 class DcpFiles:
-    """The entries (key, kind, dtype, global shape, chunks, bytes), the files with their sizes, and the problems."""
+    """The entries, the files with their sizes, and the problems."""
 
-    entries: list[tuple[str, str, Optional[str], tuple[int, ...], int, int]] = field(default_factory=list)
+    entries: list[DcpEntry] = field(default_factory=list)
     files: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -44,10 +55,10 @@ def dcp_files(checkpoint_dir: str) -> Optional[DcpFiles]:
         held[index.fqn] = held.get(index.fqn, 0) + info.length
     for key, item in sorted(metadata.state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):
-            found.entries.append((key, KIND_TENSOR, dtype_name(item.properties.dtype), tuple(item.size),
-                                  len(item.chunks), held.get(key, 0)))
+            found.entries.append(DcpEntry(key, KIND_TENSOR, dtype_name(item.properties.dtype), tuple(item.size),
+                                          len(item.chunks), held.get(key, 0)))
         else:
-            found.entries.append((key, KIND_OBJECT, None, (), 1, held.get(key, 0)))
+            found.entries.append(DcpEntry(key, KIND_OBJECT, None, (), 1, held.get(key, 0)))
     for name, need in sorted(needs.items()):
         path = os.path.join(checkpoint_dir, name)
         try:

@@ -151,8 +151,8 @@ def inspect_checkpoint(checkpoint_dir: str) -> InspectReport:
         foreign = dcp_files(checkpoint_dir)
         if foreign is not None:
             report.index, report.format, report.files = INDEX_NONE, DCP_OTHER, foreign.files
-            report.entries = [EntrySummary(k, kind, dtype, shape, n, n, size)
-                              for k, kind, dtype, shape, n, size in foreign.entries]
+            report.entries = [EntrySummary(e.key, e.kind, e.dtype, e.global_shape, e.chunks, e.chunks, e.bytes)
+                              for e in foreign.entries]
             report.problems.extend(foreign.problems)
             return report
         _read_metadata(report, True)

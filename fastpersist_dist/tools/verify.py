@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..engine.index_reader import check_markers, read_page_bytes, read_top
 from ..format.coverage import coverage_errors
 from ..format.index_pages import PagedIndex
-from ..format.records import CheckpointIndex
+from ..format.records import KIND_TENSOR, CheckpointIndex
 from ..storage.reader import ShardReader
 from ..util import progress
 from ..util.errors import FastPersistError
@@ -52,8 +52,8 @@ def verify_checkpoint(checkpoint_dir: str) -> VerifyReport:
     foreign = dcp_files(checkpoint_dir)
     if foreign is not None:  # its sizes only: it has no checksums
         report.problems, report.checksummed = foreign.problems, False
-        report.records = sum(e[4] for e in foreign.entries)
-        report.tensors = sum(e[1] == "tensor" for e in foreign.entries)
+        report.records = sum(e.chunks for e in foreign.entries)
+        report.tensors = sum(e.kind == KIND_TENSOR for e in foreign.entries)
         return report
     try:
         top = read_top(checkpoint_dir, WHO)
@@ -67,7 +67,7 @@ def verify_checkpoint(checkpoint_dir: str) -> VerifyReport:
     report.problems[:0] = problems
     report.problems.extend(format_problems(backend, index))
     report.records = len(index.records)
-    report.tensors = len({r.key for r in index.records if r.kind == "tensor"})
+    report.tensors = len({r.key for r in index.records if r.kind == KIND_TENSOR})
     broken = set()
     for name, size in sorted(index.files.items()):
         path = os.path.join(checkpoint_dir, name)

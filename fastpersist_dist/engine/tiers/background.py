@@ -37,10 +37,10 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 
 from ...storage.persistent import checkpoint_url
 from ...util.beside import keep_helpers
+from ...util.errors import FastPersistError
 from ...util.events import WAITING_FOR_COPIES, event
 from ...util.per_process import PerProcess
 from ..writer_process import writer_client
-from ...util.errors import FastPersistError
 from .drain import Drain, drain, retrying
 from .local_commit import LocalCommit, await_writers_and_commit, finalize_step
 from .removal import Removal, SavesBegun, remove
@@ -126,9 +126,19 @@ def _until(done: Callable[[], bool], timeout: Optional[float] = None,
     return True
 
 
+def _open_drains() -> tuple[Drain, ...]:
+    """This process's drains queued and not finished."""
+    return tuple(_drainer.get().open_jobs()) if _drainer.made() else ()
+
+
+def _until_drained(drains: tuple[Drain, ...]) -> None:
+    """Return once every one of ``drains`` is finished."""
+    _until(lambda: not any(d is o for o in _drainer.get().open_jobs() for d in drains))
+
+
 def _remove(job: Removal) -> None:
     """A removal, once the drains queued before it are done (``removal.py``)."""
-    _until(lambda: not any(d is o for o in _drainer.get().open_jobs() for d in job.after))
+    _until_drained(job.after)
     remove(job, _begun.get())
 
 
@@ -143,7 +153,7 @@ class Deferred:
 
 
 def _write_deferred(job: Deferred) -> None:
-    _until(lambda: not any(d is o for o in _drainer.get().open_jobs() for d in job.after))
+    _until_drained(job.after)
     try:
         retrying(job.write, job.retry_s, f"writing {job.what}")
     except FastPersistError as e:
@@ -199,18 +209,15 @@ def remove_checkpoint(path: str) -> None:
     ``weights/``), on any filesystem or an ``msc://`` prefix, once that loses no durable checkpoint; returns at
     once (``removal.py``). Call it on rank 0, where a framework's retention removes checkpoints: its drain
     commits each checkpoint on the persistent tier, so when it is done the checkpoint is durable or failed."""
-    drains = _drainer.get() if _drainer.made() else None
-    after = tuple(drains.open_jobs()) if drains is not None else ()
-    newest = drains.last if drains is not None else None
-    _remover.get().submit(Removal(checkpoint_url(path), after, newest, time.monotonic()))
+    newest = _drainer.get().last if _drainer.made() else None
+    _remover.get().submit(Removal(checkpoint_url(path), _open_drains(), newest, time.monotonic()))
 
 
 def after_copies(write: Callable[[], None], what: str, retry_s: float) -> None:
     """``write()``, a framework's write to the persistent tier that failed just now (the tier down), made again in
     the background once the drains queued so far are done, and tried again until ``retry_s``: a file naming a
     checkpoint (Megatron-LM's tracker) is then never there before that checkpoint's files."""
-    after = tuple(_drainer.get().open_jobs()) if _drainer.made() else ()
-    _deferred.get().submit(Deferred(write, what, retry_s, after))
+    _deferred.get().submit(Deferred(write, what, retry_s, _open_drains()))
 
 
 def _copies_of(checkpoint_dir: str, local: Optional[str]) -> list[Any]:

@@ -1,11 +1,5 @@
 """The drain: a tiered checkpoint copied from the local tiers to the persistent tier, its index committed last.
 
-Rank 0's drain first makes the steps of the save's local commit that could not
-reach the persistent tier (``save.py``: an object store down during the
-save), tried again until ``retry_s``, and says in the default group's store
-whether they are made (``topology.drain_store``); the other ranks' drains wait
-for that before they copy anything there.
-
 Each rank's drain job is queued when its save is prepared and waits for the
 local commit to hand it the manifest (``Drain.committed``). Meanwhile, for an
 async save to a persistent directory, it already copies the rank's data file
@@ -16,12 +10,14 @@ checksums of the committed index, and is made again from the local copy
 otherwise; so the copy of a written file does not wait for the loop's next
 finalize, where the local commit runs. A synchronous save's data file (its
 caller waits for the write and commits right after) and a file for an object
-store (uploaded whole) are copied after the local commit. Either way every
+store (uploaded whole) are copied after the local commit, once rank 0's drain
+has made the steps of the save that could not reach the persistent tier
+(``save.py``: an object store down), tried again until ``retry_s``, and said so
+in the default group's store (``topology.drain_store``). Either way every
 block is checked against the index, and the rank leaves a marker there naming
 the checkpoint (a load of a checkpoint not durable yet reads the files marked
 so). Then, whatever became of its copy, each rank counts itself done in the
-default group's store (``topology.drain_store``): one request per rank and
-checkpoint. Rank 0's drain waits for that count on its store, not on the
+store: one request per rank and checkpoint. Rank 0's drain waits for that count on its store, not on the
 persistent tier (on an object store each look would be a LIST), then lists the
 directory once, and where every data file's marker is there copies the index
 files in commit order (the format's marker last), records the state
@@ -60,7 +56,7 @@ from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
 from ...util.events import COPIED, DURABLE as DURABLE_EVENT, RETRYING, event
 from ..index_reader import read_index
-from .state import advance, drained_marker, failed_copies, mark_failed, pending_dir, superseded
+from .state import advance, drained_marker, failed_copies, mark_failed, pauses, pending_dir, superseded
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +66,7 @@ LONGEST_PAUSE_S = 30.0
 
 
 WRITTEN_POLL_S = 0.01  # how often a copy waiting for the whole file looks for the writer's status
-COUNT_POLL_S = 0.2  # the longest pause of rank 0's wait between its looks at the count of ranks done (doubling)
+COUNT_POLL_S = 0.2  # the longest pause of a drain's wait between its looks at the process group's store
 # A copy under a temporary name last written this long before a checkpoint's local commit is not one of that
 # checkpoint's (its copies are written after its call): an earlier save's that died, which rank 0 removes.
 STALE_COPY_S = 3600.0
@@ -119,8 +115,10 @@ def drain(job: Drain) -> None:
         if early is not None:
             early.abandon()
         return
-    published = _published(job, m, who) if job.rank == 0 else (not m.persistent or _await_published(job, m, who))
-    if not (published and m.persistent):  # m.persistent: not kept local, the persistent tier too far behind
+    # Rank 0 publishes what its save could not write on the persistent tier, even where the checkpoint is kept
+    # local (persistent=False, or the drain's backlog full); only a checkpoint to be drained is copied.
+    published = _published(job, m, who) if job.rank == 0 else m.persistent and _await_published(job, m, who)
+    if not (published and m.persistent):
         if early is not None:
             early.abandon()
         return
@@ -179,12 +177,9 @@ def _copy_and_mark(job: Drain, m: TierManifest, home: PersistentDir, early: Opti
     return index.files
 
 
-def _done_key(m: TierManifest) -> str:
-    return f"{m.checkpoint_id}/done"
-
-
-def _published_key(m: TierManifest) -> str:
-    return f"{m.checkpoint_id}/published"
+def _key(m: TierManifest, what: str) -> str:
+    """The store's key of ``what`` (``done``: the ranks' count; ``published``: rank 0's word) for ``m``."""
+    return f"{m.checkpoint_id}/{what}"
 
 
 def _published(job: Drain, m: TierManifest, who: str) -> bool:
@@ -200,7 +195,7 @@ def _published(job: Drain, m: TierManifest, who: str) -> bool:
         done = False
     if m.persistent:
         try:
-            job.store.set(_published_key(m), b"1" if done else b"0")
+            job.store.set(_key(m, "published"), b"1" if done else b"0")
         except RuntimeError as e:
             logger.error("fastpersist: %s: cannot tell the other ranks that %s is %s (%s)", who, m.checkpoint_dir,
                          "published" if done else "not published", e)
@@ -209,11 +204,9 @@ def _published(job: Drain, m: TierManifest, who: str) -> bool:
 
 def _await_published(job: Drain, m: TierManifest, who: str) -> bool:
     """Another rank: whether rank 0's drain wrote ``m``'s local commit on the persistent tier, once it says."""
-    key, pause = _published_key(m), COUNT_POLL_S / 16
+    key = _key(m, "published")
     try:
-        while not job.store.check([key]):
-            time.sleep(pause)
-            pause = min(pause * 2, COUNT_POLL_S)
+        _store_wait(lambda: job.store.check([key]))
         return job.store.get(key) == b"1"
     except RuntimeError as e:
         logger.error("fastpersist: %s: cannot learn whether %s is published on the persistent tier (%s); not "
@@ -221,10 +214,18 @@ def _await_published(job: Drain, m: TierManifest, who: str) -> bool:
         return False
 
 
+def _store_wait(done: Callable[[], bool]) -> None:
+    """Return once ``done()``, a look at the process group's store, holds; looks after each of the pauses."""
+    for pause in pauses(COUNT_POLL_S):
+        if done():
+            return
+        time.sleep(pause)
+
+
 def _count_done(job: Drain, m: TierManifest, who: str) -> None:
     """Count this rank's part of ``m``'s drain over, whatever became of it: rank 0's drain waits for every rank's."""
     try:
-        job.store.add(_done_key(m), 1)
+        job.store.add(_key(m, "done"), 1)
     except RuntimeError as e:  # torch's DistError family: the store's server is gone
         logger.error("fastpersist: %s: cannot tell rank 0 that its copy of %s is over (%s); rank 0's drain of it "
                      "waits for it", who, m.checkpoint_dir, e)
@@ -232,15 +233,13 @@ def _count_done(job: Drain, m: TierManifest, who: str) -> None:
 
 def _await_every_rank(job: Drain, m: TierManifest) -> None:
     """Rank 0: return once every rank counted its part of ``m``'s drain done (looks at the store only)."""
-    key, pause = _done_key(m), COUNT_POLL_S / 16
+    key = _key(m, "done")
     try:
-        while job.store.add(key, 0) < job.world:
-            time.sleep(pause)
-            pause = min(pause * 2, COUNT_POLL_S)
+        _store_wait(lambda: job.store.add(key, 0) >= job.world)
     except RuntimeError as e:
         raise FastPersistError(f"cannot learn from the process group's store whether every rank's copy is over: "
                                f"{e}") from e
-    for done_with in (key, _published_key(m)):  # every rank has read both
+    for done_with in (key, _key(m, "published")):  # every rank has read both
         try:
             job.store.delete_key(done_with)
         except RuntimeError as e:

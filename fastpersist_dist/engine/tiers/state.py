@@ -34,15 +34,20 @@ FIRST_POLL_FRACTION = 1 / 16  # a wait's first pause, of the longest
 _advancing = threading.Lock()
 
 
-def poll_pauses(checkpoint_dir: str) -> Iterator[float]:
-    """The pauses of a wait between its looks at ``checkpoint_dir``: short at first, since what it waits for
-    (the other ranks' copies, the commit) mostly ends soon after the wait starts, then doubling up to
-    ``POLL_S`` (``POLL_OBJECT_STORE_S``), so a long wait costs few requests."""
-    longest = POLL_OBJECT_STORE_S if is_object_store(checkpoint_dir) else POLL_S
+def pauses(longest: float) -> Iterator[float]:
+    """The pauses of a wait between its looks: short at first, since what it waits for (the other ranks'
+    copies, the commit) mostly ends soon after the wait starts, then doubling up to ``longest``, so a long
+    wait looks rarely."""
     pause = longest * FIRST_POLL_FRACTION
     while True:
         yield pause
         pause = min(pause * 2, longest)
+
+
+def poll_pauses(checkpoint_dir: str) -> Iterator[float]:
+    """:func:`pauses` of a wait looking at ``checkpoint_dir``: up to ``POLL_S``, or ``POLL_OBJECT_STORE_S`` on an
+    object store, where each look is a request."""
+    return pauses(POLL_OBJECT_STORE_S if is_object_store(checkpoint_dir) else POLL_S)
 
 
 def read_manifest(where: PersistentDir) -> Optional[TierManifest]:
@@ -170,7 +175,7 @@ def wait_durable(checkpoint_dir: str, timeout: Optional[float] = None) -> bool:
     restarting) is waited for too, logged; a damaged manifest raises.
     """
     end = None if timeout is None else time.monotonic() + timeout
-    pauses = poll_pauses(str(checkpoint_dir))
+    waits = poll_pauses(str(checkpoint_dir))
     while True:
         try:
             if checkpoint_state(checkpoint_dir) == DURABLE:
@@ -181,7 +186,7 @@ def wait_durable(checkpoint_dir: str, timeout: Optional[float] = None) -> bool:
             logger.warning("fastpersist: cannot ask the state of %s yet (%s); waiting", checkpoint_dir, e)
         if end is not None and time.monotonic() > end:
             return False
-        time.sleep(next(pauses))
+        time.sleep(next(waits))
 
 
 def newest_durable_beside(checkpoint_dir: str) -> str:

@@ -30,7 +30,8 @@ from ...util.config import WriteConfig
 from ...util.per_process import PerProcess
 
 _meshes: PerProcess[dict[tuple[str, int, int], DeviceMesh]] = PerProcess(dict)
-_groups: PerProcess[list[dist.ProcessGroup]] = PerProcess(list)
+# Collective on first use: the gloo group DCP's async saves run their collectives on
+_async_group: PerProcess[dist.ProcessGroup] = PerProcess(lambda: dist.new_group(backend="gloo"))
 
 
 def _mesh(device: torch.device, tp: int) -> DeviceMesh:
@@ -66,13 +67,6 @@ def filesystem_save(sd: dict, ckpt: str, _: WriteConfig) -> None:
     dcp.save(as_dtensors(sd), storage_writer=FileSystemWriter(ckpt, thread_count=_threads()))
 
 
-def _async_group() -> dist.ProcessGroup:
-    """Collective on first use: the gloo group DCP's async saves run their collectives on."""
-    if not _groups.get():
-        _groups.get().append(dist.new_group(backend="gloo"))
-    return _groups.get()[0]
-
-
 def async_save(sd: dict, ckpt: str, _: WriteConfig) -> Optional[float]:
     """``dcp.async_save``, process kind, staged into pinned shared memory where there is a GPU (else shared
     memory), with FileSystemWriter; until written. Returns the seconds the call blocked."""
@@ -81,7 +75,7 @@ def async_save(sd: dict, ckpt: str, _: WriteConfig) -> Optional[float]:
     start = time.perf_counter()
     try:
         saving = dcp.async_save(as_dtensors(sd), storage_writer=FileSystemWriter(ckpt, thread_count=_threads()),
-                                process_group=_async_group(), async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                process_group=_async_group.get(), async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                                 async_stager=stager)
         blocked = time.perf_counter() - start
         saving.result()
