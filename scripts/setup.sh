@@ -5,8 +5,9 @@
 #   FASTPERSIST_STACK=mcore-0.17, mcore-0.18: Python 3.12, megatron-core 0.17.1 / 0.18.2, venv .venv-0.17 / .venv-0.18
 # Installs libaio-dev (apt, only when missing), makes the venv, installs torch==2.13.0 (only when
 # the venv has no torch; never an unpinned torch), the package with its test extras and the
-# stack's megatron-core, and prebuilds the DeepSpeed ops it uses into <venv>/torch_ext, so the
-# first save does not pay the ~5-minute JIT build. FASTPERSIST_VENV and PYTHON override the defaults.
+# stack's megatron-core, torchtitan beside the venv (<venv>/torchtitan, for its test), and prebuilds the
+# DeepSpeed ops it uses into <venv>/torch_ext, so the first save does not pay the ~5-minute JIT build.
+# FASTPERSIST_VENV and PYTHON override the defaults.
 # FASTPERSIST_OVERLAY=DIR instead installs only the stack's megatron-core, without dependencies, into DIR: put
 # on PYTHONPATH in front of FASTPERSIST_VENV (set up already, with the stack's Python), it gives that venv's
 # torch, DeepSpeed ops and other packages under another megatron-core, with no copy or rebuild. Refused where
@@ -64,6 +65,16 @@ if [ "$STACK" != mcore-0.16 ] && [ ! -d "$VENV/nvrx/nvidia_resiliency_ext" ]; th
     echo "setup: nvidia-resiliency-ext 0.7.0 into $VENV/nvrx (for the test of megatron's nvrx queue)"
     pip_install "$VENV/bin/python" --no-deps --only-binary=:all: --platform manylinux_2_39_x86_64 --python-version 3.12 \
         --target "$VENV/nvrx" nvidia-resiliency-ext==0.7.0
+fi
+if [ ! -d "$VENV/torchtitan/torchtitan-0.3.0.dist-info" ]; then
+    # torchtitan 0.3.0, for the test of its checkpoint manager through ours (tests/test_dcp_library.py), beside
+    # the venv, not on its path. Without its dependencies: the trainer's (datasets, torchdata, wandb, ...) are
+    # not imported by its checkpoint manager and optimizers, and some would move the venv's torch; those that
+    # are (tyro with docstring-parser and typeguard, spmd_types) come pinned, 15 MB in all.
+    echo "setup: torchtitan 0.3.0 into $VENV/torchtitan (for the test of its checkpoint manager)"
+    rm -rf "$VENV/torchtitan"
+    pip_install "$VENV/bin/python" --no-deps --target "$VENV/torchtitan" torchtitan==0.3.0 spmd_types==0.2.3 \
+        tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
 fi
 echo "setup: building DeepSpeed ops (cached under $VENV/torch_ext)"
 "$VENV/bin/fastpersist-dist" build-ops

@@ -28,6 +28,7 @@ NEEDS = {
     "megatron_lm": "Megatron-LM's training code (megatron.training)",
     "nemo": "NeMo 2 (FASTPERSIST_NEMO)",
     "nvrx": "nvidia-resiliency-ext beside the venv (<venv>/nvrx)",
+    "torchtitan": "torchtitan beside the venv (<venv>/torchtitan, or FASTPERSIST_TORCHTITAN)",
     "other_stack": "the other stack's venv (FASTPERSIST_OTHER_PYTHON)",
     "root": "root with CAP_SYS_ADMIN (mounts, mount namespaces, read-only remounts)",
     "tmpfs": "a tmpfs at /dev/shm",
@@ -116,6 +117,21 @@ def nvrx_dir() -> str:
     need("nvrx", "" if os.path.isdir(os.path.join(NVRX_DIR, "nvidia_resiliency_ext")) else
          f"nvidia-resiliency-ext not in {NVRX_DIR} (FASTPERSIST_STACK=mcore-0.19 scripts/setup.sh puts it there)")
     return NVRX_DIR
+
+
+@pytest.fixture(scope="session")
+def torchtitan_dir() -> str:
+    """Where scripts/setup.sh put torchtitan, beside the venv (or ``FASTPERSIST_TORCHTITAN``), appended after
+    site-packages: torch stays the venv's. Imported here, before any rank forks."""
+    where = os.environ.get("FASTPERSIST_TORCHTITAN") or os.path.join(sys.prefix, "torchtitan")
+    if where not in sys.path:
+        sys.path.append(where)
+    try:
+        importlib.import_module("torchtitan.components.checkpoint")
+        importlib.import_module("torchtitan.components.optimizer")
+    except ImportError as e:
+        need("torchtitan", f"torchtitan is not importable from {where} ({e}); scripts/setup.sh puts it there")
+    return where
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ import socket
 import subprocess
 import sys
 import zlib
-from typing import Optional, Union
+from concurrent.futures import Future
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,10 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShard
 from megatron.core.package_info import __version__ as MCORE_VERSION
 
 from fastpersist_dist import FastPersistSaveStrategy, compat
+from fastpersist_dist.engine.tiers.background import drainer
+from fastpersist_dist.engine.tiers.drain import Drain
+from fastpersist_dist.engine.tiers.topology import drain_store
+from fastpersist_dist.format.tiers import TierManifest
 
 Split = Union[None, int, str, tuple[int, ...]]
 
@@ -191,3 +196,48 @@ def save(sd: dict, path: str, strategy: Optional[object] = None, validate: bool 
     dist_checkpointing.save(
         sd, path, sharded_strategy=strategy or native_strategy(**knobs), validate_access_integrity=validate
     )
+
+
+def hold_drains(root: str, rank: int, world: int) -> "Future[TierManifest]":
+    """A drain job of a checkpoint that is never saved, queued on this rank's drain thread: the drains queued after
+    it wait until the future returned is resolved (an exception: the job ends at once)."""
+    held: Future[TierManifest] = Future()
+    drainer().submit(Drain(held, os.path.join(root, "other"), os.path.join(root, "other-local"), rank, "test", "none",
+                           0.0, drain_store(), world, []))
+    return held
+
+
+def nested_equal(a: Any, b: Any) -> bool:
+    """Whether two nested state dicts (dicts, lists, tuples, tensors, values) are equal, tensors in dtype and value."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(nested_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(nested_equal(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def without_adam_steps(state: dict) -> dict:
+    """A model and optimizer state (``optim``) but for the optimizer's step counts: DCP's stagers (its default, and
+    its ``FileSystemWriter``'s) hand any writer those small CPU tensors as they are when written, not as at the
+    ``async_save`` call (docs/dcp.md)."""
+    return {**state, "optim": {**state["optim"], "state": {fqn: {k: v for k, v in s.items() if k != "step"}
+                                                           for fqn, s in state["optim"]["state"].items()}}}
+
+
+def fsdp2_mlp(world: int) -> "torch.nn.Module":
+    """Collective: a small MLP (seeded), each linear layer and the whole sharded by FSDP2 over a CPU mesh of every
+    rank."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 16), nn.ReLU(), nn.Linear(16, 8))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

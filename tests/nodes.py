@@ -56,6 +56,12 @@ class Nodes:
         for pid in family:
             _signal(pid, signal.SIGKILL)
 
+    def kill_ranks(self, node: int) -> None:
+        """SIGKILL the ranks of node ``node``, not its torchrun (a rank's process killed, its machine up)."""
+        for pid in _descendants(self.procs[node].pid):
+            if _is_rank(pid):
+                _signal(pid, signal.SIGKILL)
+
     def finish(self, check: bool = True) -> list[dict]:
         """Wait for every node; every rank's RESULT, by global rank (``check``: every node must exit 0)."""
         outputs = []

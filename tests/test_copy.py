@@ -9,7 +9,6 @@ the checksums. Processes of a node that fetch the same file fetch it once.
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import threading
@@ -23,8 +22,8 @@ import pytest
 from fastpersist_dist.format.checksum import BlockHasher
 from fastpersist_dist.format.records import ShardRecord
 from fastpersist_dist.storage.checked_read import CheckedFile, check_file
-from fastpersist_dist.storage.copy import DIRECT_ALIGN, copy_checked, copy_pending, receive_checked, window_plan
-from fastpersist_dist.storage.spans import Span, block_layout, block_spans, chunk_plan
+from fastpersist_dist.storage.copy import DIRECT_ALIGN, copy_checked, receive_checked, window_plan
+from fastpersist_dist.storage.spans import Span, block_spans, chunk_plan
 from fastpersist_dist.storage.files import TMP_SUFFIX, made_once
 from fastpersist_dist.util.errors import CorruptCheckpointError, FastPersistError
 
@@ -231,39 +230,6 @@ def test_a_damaged_chunk_received_is_named_and_nothing_is_written(tmp_path):
                                                      f"{bad[-1].start} "):
         receive_checked(chunks, next_chunk, str(tmp_path / "dst.distcp"), "s3://b/f", "rank 2", ahead=4)
     assert not [n for n in os.listdir(tmp_path) if n.startswith("dst.distcp")]
-
-
-@pytest.mark.parametrize("lengths", [[1], [3 * BLOCK + 5], [100, 70_000, 9, 33_333, 200_000, 4 * BLOCK]])
-def test_a_pending_copy_commits_once_its_checksums_match(src_dir, dst_dir, lengths):
-    """A copy made before the index's checksums are known stays under its temporary name, keeping its blocks'
-    digests, and is put in place once they equal the index's."""
-    data = np.random.default_rng(3).integers(0, 256, sum(lengths), dtype=np.uint8).tobytes()
-    records = _records(data, lengths)
-    src, dst = os.path.join(src_dir, "src.distcp"), os.path.join(dst_dir, "dst.distcp")
-    Path(src).write_bytes(data)
-    pending = copy_pending(src, dst, block_layout([dataclasses.replace(r, checksums=()) for r in records], BLOCK),
-                           len(data), "rank 0", 8192)
-    assert not os.path.exists(dst)  # under its temporary name until the checksums are known
-    assert pending.commit_if(block_spans(records, BLOCK, len(data), src))
-    assert Path(dst).read_bytes() == data
-    assert not [n for n in os.listdir(dst_dir) if n.endswith(TMP_SUFFIX)]
-
-
-def test_a_pending_copy_that_differs_from_the_index_is_removed(src_dir, dst_dir):
-    """The bytes copied are not the ones the writer hashed (the file was replaced meanwhile): nothing is put in
-    place, and the destination stays as it was."""
-    lengths = [70_000, 33_333]
-    data = np.random.default_rng(4).integers(0, 256, sum(lengths), dtype=np.uint8).tobytes()
-    records = _records(data, lengths)
-    changed = bytearray(data)
-    changed[40_000] ^= 1
-    src, dst = os.path.join(src_dir, "src.distcp"), os.path.join(dst_dir, "dst.distcp")
-    Path(src).write_bytes(bytes(changed))
-    Path(dst).write_bytes(b"old")
-    pending = copy_pending(src, dst, block_layout(records, BLOCK), len(data), "rank 0", 8192)
-    assert not pending.commit_if(block_spans(records, BLOCK, len(data), src))
-    assert Path(dst).read_bytes() == b"old"
-    assert not [n for n in os.listdir(dst_dir) if n.endswith(TMP_SUFFIX)]
 
 
 def _make_slowly(path: str, log: str) -> None:

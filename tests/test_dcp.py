@@ -9,7 +9,6 @@ DCP's ``FileSystemWriter`` by ours; ``verify`` checks ours and finds a flipped b
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 import torch
@@ -19,14 +18,14 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, get_state_dict, set_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from fastpersist_dist.dcp import FastPersistReader, FastPersistWriter
 from fastpersist_dist.tools.inspect import inspect_checkpoint
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.tools.verify import verify_checkpoint
 from fastpersist_dist.util.errors import CorruptCheckpointError
+
+from .helpers import flip_bit, fsdp2_mlp, nested_equal, without_adam_steps
 
 pytestmark = pytest.mark.stack  # torch DCP: each venv's torch and Python
 
@@ -36,13 +35,7 @@ STEPS = 3
 
 def _model_and_optimizer(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A small MLP, each layer and the whole sharded by FSDP2 over every rank, and its Adam."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 16), nn.ReLU(), nn.Linear(16, 8))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp2_mlp(world)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
@@ -59,14 +52,6 @@ def _full(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
                                                                                                   options=FULL)}
 
 
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
 
 
 def _train_and_save(rank: int, world: int, root: str, how: str) -> None:
@@ -95,12 +80,6 @@ def _train_and_save(rank: int, world: int, root: str, how: str) -> None:
     dist.barrier()
 
 
-def _without_steps(full: dict) -> dict:
-    """The whole state but for the optimizer's step counts: DCP's stagers (its default, and its
-    ``FileSystemWriter``'s) hand the writer those small CPU tensors as they are when written, not as at the
-    ``async_save`` call, whatever the writer."""
-    return {**full, "optim": {**full["optim"], "state": {fqn: {k: v for k, v in s.items() if k != "step"}
-                                                         for fqn, s in full["optim"]["state"].items()}}}
 
 
 def _load(rank: int, world: int, root: str, reader: str, steps: bool = True) -> bool:
@@ -114,8 +93,8 @@ def _load(rank: int, world: int, root: str, reader: str, steps: bool = True) -> 
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     expected, loaded = torch.load(os.path.join(root, "expected.pt"), weights_only=False), _full(model, optim)
     if not steps:
-        expected, loaded = _without_steps(expected), _without_steps(loaded)
-    return state["step"] == STEPS and _equal(loaded, expected)
+        expected, loaded = without_adam_steps(expected), without_adam_steps(loaded)
+    return state["step"] == STEPS and nested_equal(loaded, expected)
 
 
 @pytest.mark.parametrize("saved, loaded", [(4, 2), (2, 4)])
@@ -169,9 +148,7 @@ def _load_one(rank: int, world: int, root: str) -> str:
 def test_a_flipped_byte_is_found_by_the_load_and_by_verify(tmp_path):
     run_ranks(2, _train_and_save, str(tmp_path), "sync")
     victim = tmp_path / "ckpt" / "__1_0.distcp"
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    victim.write_bytes(bytes(data))
+    flip_bit(str(victim), victim.stat().st_size // 2, 0x10)
     outcomes = run_ranks(2, _load_one, str(tmp_path))
     assert all(CorruptCheckpointError.__name__ in o and "checksum mismatch" in o and str(victim) in o
                for o in outcomes), outcomes

@@ -28,11 +28,9 @@ from megatron.core import dist_checkpointing
 from fastpersist_dist import (FastPersistLoadStrategy, FastPersistSaveStrategy, checkpoint_state, wait_copies,
                               wait_durable)
 from fastpersist_dist.format.checksum import digest_bytes
-from fastpersist_dist.engine.tiers.background import drainer
-from fastpersist_dist.engine.tiers.drain import STALE_COPY_S, Drain, _committed_index, _remove_stale_files
+from fastpersist_dist.engine.tiers.drain import STALE_COPY_S, _committed_index, _remove_stale_files
 from fastpersist_dist.engine.tiers.state import (POLL_OBJECT_STORE_S, POLL_S, drained_marker, failed_marker,
                                                  poll_pauses)
-from fastpersist_dist.engine.tiers.topology import drain_store
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
 from fastpersist_dist.format.tiers import LOCAL, TierManifest
 from fastpersist_dist.storage.files import TMP_SUFFIX
@@ -42,7 +40,7 @@ from fastpersist_dist.util.events import COMMITTED_LOCALLY, DURABLE, WAITING_FOR
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.tools.verify import verify_checkpoint
 
-from .helpers import empty_like_request, logged, run_one_rank_script
+from .helpers import empty_like_request, hold_drains, logged, run_one_rank_script
 from .tiers_driver import state
 
 pytestmark = pytest.mark.engine
@@ -246,7 +244,7 @@ def _saved_twice_into_one_directory(rank: int, world: int, root: str, second: st
     second save says it waits (or has returned, where it does not)."""
     ckpt, local = os.path.join(root, "persistent", "latest"), os.path.join(root, "local")
     records = logged("fastpersist_dist", logging.DEBUG)
-    held: Future = Future()
+    held = hold_drains(root, rank, world) if rank == 1 else Future()
 
     class Release(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -258,9 +256,6 @@ def _saved_twice_into_one_directory(rank: int, world: int, root: str, second: st
             held.set_exception(RuntimeError("released"))
 
     logging.getLogger("fastpersist_dist").addHandler(Release())
-    if rank == 1:
-        drainer().submit(Drain(held, os.path.join(root, "other"), os.path.join(root, "other-local"), rank, "test",
-                               "none", 0.0, None, drain_store(), world, []))
     if rank == 0:
         os.makedirs(ckpt)
     dist.barrier()

@@ -16,13 +16,11 @@ from megatron.core import dist_checkpointing
 
 from fastpersist_dist import FastPersistLoadStrategy, FastPersistSaveStrategy, checkpoint_state, wait_copies, wait_durable
 from fastpersist_dist.engine.tiers.background import drainer
-from fastpersist_dist.engine.tiers.drain import Drain
-from fastpersist_dist.engine.tiers.topology import drain_store
 from fastpersist_dist.storage.persistent import PosixDir
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.util.events import NOT_DRAINED, event_of, field_of
 
-from .helpers import empty_like_request, logged
+from .helpers import empty_like_request, hold_drains, logged
 from .tiers_driver import state
 
 pytestmark = pytest.mark.engine
@@ -32,10 +30,7 @@ def _drained_while_rank_1_is_held(rank: int, world: int, root: str) -> dict:
     """A tiered save while a job queued ahead on rank 1's drain thread holds its copy back for a while; rank 0's
     drain thread's listings of the persistent directory counted meanwhile, and once rank 1's copy is done."""
     ckpt, local = os.path.join(root, "persistent", "step1"), os.path.join(root, "local")
-    held: Future = Future()
-    if rank == 1:
-        drainer().submit(Drain(held, os.path.join(root, "other"), os.path.join(root, "other-local"), rank, "test",
-                               "none", 0.0, None, drain_store(), world, []))
+    held = hold_drains(root, rank, world) if rank == 1 else Future()
     listings: list[float] = []
     names = PosixDir.names
 
@@ -73,10 +68,7 @@ def _saved_while_the_drain_is_held(rank: int, world: int, root: str) -> dict:
     tier slower than the saves), the hold let go and the copies done, then a fourth save; each checkpoint's state
     and values."""
     local = os.path.join(root, "local")
-    held: Future = Future()
-    if rank == 0:
-        drainer().submit(Drain(held, os.path.join(root, "other"), os.path.join(root, "other-local"), rank, "test",
-                               "none", 0.0, None, drain_store(), world, []))
+    held = hold_drains(root, rank, world) if rank == 0 else Future()
     records = logged("fastpersist_dist", logging.WARNING)
     strategy = FastPersistSaveStrategy(local_dir=local, keep_local=4)
 

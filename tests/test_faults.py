@@ -25,12 +25,13 @@ from fastpersist_dist import (
     AsyncSaveQueue,
     FastPersistError,
     TierConfig,
+    checkpoint_state,
     wait_copies,
     wait_durable,
 )
 from fastpersist_dist.engine.writer_process import writer_client
 from fastpersist_dist.format.records import INDEX_FILE, data_file_name, is_data_file, status_file_name
-from fastpersist_dist.format.tiers import local_copy_dir
+from fastpersist_dist.format.tiers import TIERS_FILE, local_copy_dir
 from fastpersist_dist.storage.files import TMP_SUFFIX
 from fastpersist_dist.storage.readback import confirm_on_disk
 from fastpersist_dist.storage.writer import write_rank_file
@@ -201,6 +202,41 @@ def test_async_writer_killed_in_a_tiered_save_leaves_no_copy_in_the_persistent_d
         error, left = o.value
         assert error.kind == "SaveFailedError" and "rank 1: the writer process" in error.message, error
         assert not [n for n in left if n.endswith(TMP_SUFFIX) or is_data_file(n)], left
+
+
+def _killed_before_its_local_commit(rank: int, world: int, root: str, victim: int) -> Raised:
+    """A durable tiered checkpoint, then an async tiered one whose writes are done on every rank when rank
+    ``victim`` is SIGKILLed: the local commit, made beside training once every writer is done, finds it gone."""
+    strategy = native_strategy(tiers=TierConfig(f"{root}/local"))
+    save(fault_state("s", SMALL, rank, world, 1), f"{root}/prev", strategy)
+    assert wait_durable(f"{root}/prev", timeout=120)
+    make_dir(f"{root}/new")
+    request = dist_checkpointing.save(fault_state("w", BIG, rank, world, 2), f"{root}/new", sharded_strategy=strategy,
+                                      async_sharded_save=True, **ASYNC_KW)
+    request.async_fn(*request.async_fn_args, **(request.async_fn_kwargs or {}))  # handed to the rank's writer
+    status = os.path.join(local_copy_dir(f"{root}/local", f"{root}/new"), status_file_name(rank))
+    while not os.path.exists(status):  # its write is done
+        time.sleep(0.01)
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return save_error(lambda: [fn() for fn in request.finalize_fns])
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_before_the_local_commit_of_a_tiered_save_loses_nothing_durable(tmp_path, victim):
+    """The survivor's save fails naming the dead peer; nothing of the new checkpoint is committed in any tier,
+    and the durable one before it loads."""
+    root = str(tmp_path)
+    outcomes = run_faulty(2, _killed_before_its_local_commit, root, victim)
+    assert outcomes[victim].kind == "killed", outcomes[victim]
+    survivor = outcomes[1 - victim]
+    assert survivor.kind == "ok" and survivor.value.kind == "SaveFailedError", survivor.value
+    assert DEAD_PEER in survivor.value.message and f"{root}/new" in survivor.value.message, survivor.value
+    local = local_copy_dir(f"{root}/local", f"{root}/new")
+    for where in (f"{root}/new", local):
+        assert not {INDEX_FILE, TIERS_FILE} & set(os.listdir(where)), os.listdir(where)
+    assert checkpoint_state(f"{root}/new") is None and checkpoint_state(f"{root}/prev") == "durable"
+    run_ranks(1, load_and_verify, f"{root}/prev", "s", SMALL, 1)
 
 
 def _trainer_killed(rank: int, world: int, root: str, pid_file: str) -> Raised:

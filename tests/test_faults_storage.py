@@ -145,13 +145,15 @@ def test_disk_full_at_commit_commits_nothing(small_fs):
     run_ranks(1, load_and_verify, f"{small_fs}/prev", "s", SMALL, 1)
 
 
+RETRY_S = 5.0  # a refused copy's try can take a second on a loaded machine; it is tried again within retry_s only
+
 
 def _persistent_tier_full(rank: int, world: int, fs: str, local: str, shape: tuple) -> dict:
     """A tiered async save of the tensor ``shape`` into a persistent directory on the tmpfs ``fs`` too small for
     it: the save commits locally, what does not fit is refused until ``retry_s`` ends, and it loads from the
     local tiers."""
     records = logged("fastpersist_dist", logging.INFO)
-    tiers = TierConfig(local, retry_s=1.0)
+    tiers = TierConfig(local, retry_s=RETRY_S)
     queue, ckpt = AsyncSaveQueue(), f"{fs}/ckpt"
     make_dir(ckpt)
     queue.schedule(dist_checkpointing.save(fault_state("w", shape, rank, world, 4), ckpt,
@@ -174,14 +176,13 @@ def _found_no_room(got: dict, rank: int, copy: str, fs: str, why: str) -> bool:
     again, and that the checkpoint in ``fs`` stays in the local tiers, naming itself, its node and the file."""
     return (any(f"rank {rank} (" in m and f"no room for {copy}: " in m and why in m for m in got["retried"])
             and any(level == "ERROR" and f"rank {rank} (" in m and f"{fs}/ckpt stays in the local tiers" in m
-                    and "kept failing for 1 s" in m for level, m in got["said"]))
+                    and f"kept failing for {RETRY_S:.0f} s" in m for level, m in got["said"]))
 
 
 def test_a_persistent_directory_without_room_leaves_the_checkpoint_local(small_fs, tmp_path):
-    """The persistent directory has no room for a tiered save's files (each rank's file, to be copied by the
-    drain, is twice the filesystem): the save still commits on the local
-    tiers and loads from there (no copy starts where it would leave under ``COPY_HEADROOM_BYTES`` free, so the
-    commit's files find room); each rank's copy is refused, tried again until ``retry_s`` has passed, and each
+    """The persistent directory has no room for a tiered save's files (each rank's file is twice the filesystem):
+    the save still commits on the local tiers and loads from there (no copy starts where it would leave under
+    ``COPY_HEADROOM_BYTES`` free, so the commit's files find room); each rank's copy is refused, tried again until ``retry_s`` has passed, and each
     rank says the checkpoint stays in the local tiers, naming itself, its node and the file; no data file or
     partial copy stays in the persistent directory."""
     outcomes = run_faulty(2, _persistent_tier_full, small_fs, str(tmp_path / "local"), BIG)

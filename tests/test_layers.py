@@ -29,7 +29,7 @@ RANKS = {
 }
 # The public surface: the package itself and the entry points users import or run with -m.
 SURFACE = {"fastpersist_dist", "fastpersist_dist.dcp", "fastpersist_dist.megatron_lm", "fastpersist_dist.nemo",
-           "fastpersist_dist.verify"}
+           "fastpersist_dist.torchtitan", "fastpersist_dist.verify"}
 pytestmark = pytest.mark.engine
 
 

@@ -29,14 +29,11 @@ from fastpersist_dist import (
     wait_copies,
     wait_durable,
 )
-from fastpersist_dist.engine.tiers.background import drainer
-from fastpersist_dist.engine.tiers.drain import Drain
-from fastpersist_dist.engine.tiers.topology import drain_store
 from fastpersist_dist.format.kinds import checkpoint_format
 from fastpersist_dist.format.tiers import local_copy_dir
 from fastpersist_dist.tools.ranks import run_ranks
 
-from .helpers import empty_like_request, logged
+from .helpers import empty_like_request, hold_drains, logged
 from .tiers_driver import state
 
 pytestmark = pytest.mark.engine
@@ -119,10 +116,7 @@ def _saved_again_before_its_removal_ran(rank: int, world: int, root: str, prepar
     behind it, so the removal of p asked for next waits; p is then saved again with another state, the job let go
     (``prepared``: between ``prepare_checkpoint_dir`` and the save, where the removal then runs; else after the
     save)."""
-    held: Future = Future()
-    if rank == 0:
-        drainer().submit(Drain(held, os.path.join(root, "other"), os.path.join(root, "other-local"), rank, "test",
-                               "none", 0.0, None, drain_store(), world, []))
+    held = hold_drains(root, rank, world) if rank == 0 else Future()
     messages = logged("fastpersist_dist", logging.WARNING)
     plain = FastPersistSaveStrategy()
     p = _save(rank, world, root, "p", 1, None, plain)

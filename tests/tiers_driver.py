@@ -4,20 +4,24 @@
 namespace of its own where the same local-tier path is that node's own directory. Actions:
 
 * ``save``: for each of ``saves``, save the state of its ``step`` (``rows`` rows of ``w`` per rank) into its
-  ``checkpoint`` (``local_dir``, ``replicas``, ``persistent``, ``keep_local``, ``async`` as it says), leave a file ``rank<N>`` in the directory ``returned`` (if given) once the call is over,
-  then optionally wait
-  until it is durable (``wait_durable``) or until this rank's copies are done (``wait_copies``);
+  ``checkpoint`` (``local_dir``, ``replicas``, ``persistent``, ``keep_local``, ``async`` as it says), leave a file
+  ``rank<N>`` in the directory ``returned`` (if given) once the call is over, then optionally wait until it is
+  durable (``wait_durable``) or until this rank's copies are done (``wait_copies``); then, where ``remove`` is
+  given (``checkpoint``, ``gate``), rank 0 leaves the file ``gate``.waiting, waits for the file ``gate``, asks for
+  the removal of ``checkpoint`` (``remove_checkpoint``) and waits for this process's copies and removals
+  (``RESULT``'s ``removal``);
 * ``load``: load ``checkpoint`` into a fresh state of ``step`` (with ``loader_local_dir`` and ``share_reads`` if
   given; ``whole``: every rank asks for all of ``w``; ``node_group``: the loader's ``parallel_group`` is the
   ranks of this rank's node) and compare; ``audit``: also report the load's listings of the checkpoint's
   directory and the files it opened there (``persistent_io``: Python's audit events, no code replaced);
   ``loads``: several loads in turn in the same processes, each a dict of options over the common ones
-  (``RESULT``'s ``loads``). Each load reports the data files this rank fetched from an object store
-  (``fetched``: the log lines).
+  (``RESULT``'s ``loads``); ``direct``: our load strategy's ``load()`` called directly, not through megatron's
+  ``load()``. Each load reports the data files this rank fetched from an object store (``fetched``: the log lines)
+  and, where it failed, the traceback (``trace``).
 
 ``msc``: turn on megatron-core's multi-storage-client support (``msc://`` checkpoint paths, ``--enable-msc``).
-Prints one line ``RESULT {...}``: what this rank saw, the warnings and errors it logged, how its drain copied
-its data files (``drained``), the replicas it received (``received``) and the advice it gave about a local tier
+Prints one line ``RESULT {...}``: what this rank saw, the warnings and errors it logged, the data files its drain
+copied (``drained``), the replicas it received (``received``) and the advice it gave about a local tier
 in memory (``advice``).
 """
 
@@ -30,6 +34,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from typing import Optional
 
 import torch
@@ -44,6 +49,7 @@ from fastpersist_dist import (
     FastPersistSaveStrategy,
     TierConfig,
     checkpoint_state,
+    remove_checkpoint,
     wait_copies,
     wait_durable,
 )
@@ -105,6 +111,21 @@ def _state(ckpt: str) -> str:
         return f"{type(e).__name__}: {e}"
 
 
+def _remove(rank: int, args: dict) -> dict:
+    """Rank 0: leave the file ``gate``.waiting, then, once the file ``gate`` exists, ask for the removal of
+    ``checkpoint`` and wait for this process's copies and removals; whether they ended within ``timeout``."""
+    if rank != 0:
+        return {}
+    open(f"{args['gate']}.waiting", "w").close()
+    end = time.monotonic() + args.get("timeout", 120)
+    while not os.path.exists(args["gate"]):
+        if time.monotonic() > end:
+            return {"error": f"no {args['gate']}"}
+        time.sleep(0.01)
+    remove_checkpoint(args["checkpoint"])
+    return {"copied": wait_copies(timeout=args.get("timeout", 120))}
+
+
 def _node_group(rank: int, world: int) -> dist.ProcessGroup:
     """The ranks of this rank's node, as a process group (made on every rank, for every node, in order)."""
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -130,9 +151,13 @@ def _load(rank: int, world: int, args: dict) -> dict:
     logging.getLogger("fastpersist_dist").addHandler(fetched)
     started = time.perf_counter()
     try:
-        loaded = dist_checkpointing.load(request, ckpt, sharded_strategy=loader)
+        if args.get("direct"):
+            loaded = loader.load(request, ckpt)
+        else:
+            loaded = dist_checkpointing.load(request, ckpt, sharded_strategy=loader)
     except Exception as e:  # noqa: BLE001 - reported to the test
         out["error"] = f"{type(e).__name__}: {e}"
+        out["trace"] = traceback.format_exc()
     else:
         out["equal"] = all(torch.equal(loaded[k], v.data) for k, v in want.items())
     finally:
@@ -180,7 +205,7 @@ def main(action: str, args: dict) -> dict:
     kept: dict[str, list[str]] = {"drained": [], "received": [], "advice": []}
     copied = logging.Handler(logging.DEBUG)
     copied.addFilter(lambda record: event_of(record) == COPIED)
-    copied.emit = lambda record: kept["drained"].append(field_of(record, "when"))  # type: ignore[method-assign]
+    copied.emit = lambda record: kept["drained"].append(field_of(record, "file"))  # type: ignore[method-assign]
     logging.getLogger("fastpersist_dist.engine.tiers.drain").setLevel(logging.DEBUG)
     logging.getLogger("fastpersist_dist.engine.tiers.drain").addHandler(copied)
     for name, key, says in (("engine.tiers.replicate", "received", " received the replica "),
@@ -199,6 +224,8 @@ def main(action: str, args: dict) -> dict:
     result: dict = {"rank": rank, "node": os.environ["GROUP_RANK"], "warnings": warnings, "warned": warned, **kept}
     if action == "save":
         result["saves"] = [_save(rank, world, one) for one in args["saves"]]
+        if args.get("remove"):
+            result["removal"] = _remove(rank, args["remove"])
     elif "loads" in args:  # several loads in turn, each with its own options over the common ones
         result["loads"] = [_load(rank, world, {**args, **one}) for one in args["loads"]]
     else:

@@ -47,7 +47,7 @@ from ..util import progress
 from ..util.config import ReadConfig
 from ..util.errors import FastPersistError
 from .index_reader import check_markers, read_index, read_top
-from .read_exchange import ReadExchange, read_order, recovery_group, shared_load, sharing_group
+from .read_exchange import ReadExchange, comm_device, read_order, recovery_group, shared_load, sharing_group
 from .tiers.copies import Copies, copies_for_load, tiers_manifest
 from .tiers.retention import reading
 
@@ -94,12 +94,15 @@ class LoadEngine:
         first = group  # the others' next gather: a tiered load's first step (``recovery``), else the sharing group's
         with ExitStack() as closing:
             try:
-                manifest = tiers_manifest(checkpoint_dir)
-                if manifest is not None:
-                    recovery = recovery_group(cfg.share_reads != "off", group)
-                    first = recovery if recovery is not None else group
+                manifest, offline = tiers_manifest(checkpoint_dir, cfg.local_dir, who)
+                recovery = recovery_group(cfg.share_reads != "off", group)
+                if manifest is not None or cfg.local_dir is not None:  # alike on every rank (tiers_manifest)
+                    _agree_on_checkpoint(manifest, checkpoint_dir, recovery if recovery is not None else group, who)
+                if manifest is None:
+                    recovery = None
+                first = recovery if recovery is not None else group
                 copies = _copies(checkpoint_dir, manifest, who, cfg.local_dir,
-                                 first is None or dist.get_rank(first) == 0)
+                                 first is None or dist.get_rank(first) == 0, offline)
                 index_dir = checkpoint_dir if copies is None else copies.index_dir
                 closing.enter_context(reading(None if copies is None else copies.local))
                 index = read_index(index_dir, who, requested_boxes(nested_values(sharded_state_dict)))
@@ -150,15 +153,34 @@ class LoadEngine:
 
     def _index_dir(self, checkpoint_dir: str, who: str) -> str:
         """Where the index of ``checkpoint_dir`` is read: this node's copy of a tiered checkpoint, or there."""
-        copies = _copies(checkpoint_dir, tiers_manifest(checkpoint_dir), who, self.config.local_dir)
+        manifest, offline = tiers_manifest(checkpoint_dir, self.config.local_dir, who)
+        copies = _copies(checkpoint_dir, manifest, who, self.config.local_dir, offline=offline)
         return checkpoint_dir if copies is None else copies.index_dir
 
 
 def _copies(checkpoint_dir: str, manifest: Optional[TierManifest], who: str, local_dir: Optional[str],
-            check: bool = True) -> Optional[Copies]:
+            check: bool = True, offline: bool = False) -> Optional[Copies]:
     """Where a load reads the tiered checkpoint with ``manifest``; None for one that is not tiered (no manifest).
-    ``check``: see ``copies_for_load``."""
-    return None if manifest is None else copies_for_load(checkpoint_dir, manifest, who, local_dir, check)
+    ``check``, ``offline``: see ``copies_for_load``."""
+    return None if manifest is None else copies_for_load(checkpoint_dir, manifest, who, local_dir, check, offline)
+
+
+def _agree_on_checkpoint(manifest: Optional[TierManifest], checkpoint_dir: str,
+                         group: Optional[dist.ProcessGroup], who: str) -> None:
+    """Collective over ``group`` (None: no other rank reads with this one): raise on every rank where the ranks'
+    tiers manifests (None: not tiered) name different checkpoints, as where a node's copy is read while the
+    persistent tier is out of reach and is not of the checkpoint the others read: one all-reduce of the
+    checkpoint id's first 60 bits (0: not tiered), negated and not."""
+    if group is None:
+        return
+    mine = 0 if manifest is None else int(manifest.checkpoint_id[:15], 16)
+    ids = torch.tensor([mine, -mine], dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(ids, op=dist.ReduceOp.MAX, group=group)
+    if ids[0].item() != -ids[1].item():
+        mine_is = "not tiered" if manifest is None else manifest.checkpoint_id
+        raise FastPersistError(f"{who}: the ranks of this load read different checkpoints of {checkpoint_dir} (this "
+                               f"rank: {mine_is}): with the persistent tier out of reach, some node's copy is of "
+                               "another save into that directory; load once the persistent tier answers")
 
 
 class Loader:

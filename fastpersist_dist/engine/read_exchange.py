@@ -128,7 +128,7 @@ def need_of(read: BoxRead, block: Optional[int]) -> Need:
                 rec.offset + ranges[0][0], rec.offset + ranges[-1][1])
 
 
-def _comm_device(group: dist.ProcessGroup) -> torch.device:
+def comm_device(group: dist.ProcessGroup) -> torch.device:
     """Where tensors sent over ``group`` must live: the current CUDA device for NCCL, else the host."""
     backend = str(dist.get_backend(group))
     if "nccl" in backend and "gloo" not in backend:
@@ -151,7 +151,7 @@ class ReadExchange:
         self.group = group
         self.who = who
         self.me = dist.get_rank(group)
-        device = _comm_device(group)
+        device = comm_device(group)
         known = {(r.record.file, r.record.offset, r.extent.byte_start): r for r in reads}
         mine = [t for t in transfers if t.dst == self.me]
         remote = {t.need for t in mine}

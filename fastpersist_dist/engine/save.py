@@ -256,7 +256,7 @@ class SaveEngine:
             phases.mark("frame")
             logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
             return SaveJob(write_and_report, (ckpt, items, self.config, rank, self.fmt.data_file(rank)),
-                           [self._committing(commit, tier, items, aux_files, follow=False)])
+                           [self._committing(commit, tier, aux_files, follow=False)])
         staged, lease = self._snapshot(staged, out, ckpt, error, phases, tier)
         address, writer_pid = writer_client().ensure_running()
         items = _items(staged, self.fmt, rank, self.config.separation_hint)
@@ -264,21 +264,20 @@ class SaveEngine:
         job = WriterJob(ckpt, data_file, describe_items(items, lease[1]), self.config, rank)
         # The writer is done with the buffer and directory once finalize runs, whatever the outcome.
         finalize = [partial(shared.pool.release, lease), partial(shared.writing.discard, target),
-                    self._committing(commit, tier, items, aux_files, follow=True)]
+                    self._committing(commit, tier, aux_files, follow=True)]
         shared.writing.add(target)
         phases.mark("frame")
         logger.debug("fastpersist: rank %d prepared its share of %s: %s", rank, ckpt, phases)
         return SaveJob(write_in_writer, (address, writer_pid, job), finalize)
 
-    def _committing(self, commit: Callable[[], Any], tier: Optional[TieredSave], items: list[WriteItem],
-                    aux_files: dict[str, bytes], follow: bool) -> Callable[[], Any]:
-        """The commit step of a save whose write plan is agreed: a tiered save's drain is queued now
-        (``follow``: the write runs in the writer process, see ``TieredSave.drain_beside``), and so is the local
-        commit of an async one, which its finalize then waits for (``TieredSave.commit_when_written``)."""
+    def _committing(self, commit: Callable[[], Any], tier: Optional[TieredSave], aux_files: dict[str, bytes],
+                    follow: bool) -> Callable[[], Any]:
+        """The commit step of a save whose write plan is agreed: a tiered save's drain is queued now, and so is
+        the local commit of an async one (``follow``: the write runs in the writer process), which its finalize
+        then waits for (``TieredSave.commit_when_written``)."""
         if tier is None:
             return commit
-        committed = tier.drain_beside(self.fmt.data_file(dist.get_rank()), [i.record for i in items], self.config,
-                                      follow)
+        committed = tier.drain_beside(self.fmt.data_file(dist.get_rank()))
         if follow:
             return tier.commit_when_written(commit, self.fmt, aux_files, committed)
         return partial(tier.commit, commit, self.fmt, aux_files, committed)

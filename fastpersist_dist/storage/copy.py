@@ -1,18 +1,6 @@
-"""Moving a data file between tiers, every byte checked against its records' checksums on the way.
-
-A tiered checkpoint moves as files: from a node's local tier to the
-persistent one, to other nodes' local tiers (replicas), and back from object
-storage into a local tier for a load (``engine/tiers/``). Whatever carries
-the bytes, they go in chunks of whole checksum blocks (``storage/spans.py``; a
-file-to-file copy in windows, :func:`window_plan`, read ahead while the last is
-written), and each block is checked against the index before it is passed on:
-a byte that rotted in the source, or one damaged in transit, never reaches the
-destination, and the error names the file, the byte offset and the record. A
-destination file appears whole or not at all (a temporary name, fsync, rename,
-fsync of the directory). Destinations are written with O_DIRECT where the
-filesystem takes it and is not in memory: a drain does not fill the page cache
-the training step needs, and on a disk it runs at the device's speed instead of
-the page cache's write-back.
+"""Moving a data file between tiers in chunks of whole checksum blocks, each block checked before it is passed
+on; a destination appears whole or not at all, written with O_DIRECT where it is not in memory (docs/design.md,
+"The drain").
 """
 
 from __future__ import annotations
@@ -29,7 +17,6 @@ from functools import partial
 from itertools import islice
 from typing import Callable, Iterator, Optional
 
-from ..format.checksum import digest_bytes
 from ..util.beside import Beside
 from ..util.errors import CorruptCheckpointError, FastPersistError
 from .files import process_temporary, replace_durably, reserve_room, unlink_quietly
@@ -139,29 +126,23 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 
 @contextmanager
-def _removed_on_error(dst: str, where: str, who: str, reserve: Optional[int] = None) -> Iterator[AtomicFile]:
-    """``dst`` as an :class:`AtomicFile` (``reserve`` bytes allocated first, if given), abandoned where the block
-    raises; an error other than ours is raised as ``FastPersistError`` naming both ends (``where``: the source)."""
+def _written_whole(dst: str, where: str, who: str, reserve: Optional[int] = None) -> Iterator[AtomicFile]:
+    """``dst`` as an :class:`AtomicFile` (``reserve`` bytes allocated first, if given), committed when the block
+    ends and abandoned where it raises; an error other than ours is raised as ``FastPersistError`` naming both
+    ends (``where``: the source)."""
     out = None
     try:
         out = AtomicFile(dst)
         if reserve is not None:
             out.reserve(reserve, who)
         yield out
+        out.commit()
     except BaseException as e:
         if out is not None:
             out.abandon()
         if isinstance(e, FastPersistError) or not isinstance(e, Exception):  # ours name the damaged block
             raise
         raise FastPersistError(f"{who}: copying {where} to {dst} failed: {type(e).__name__}: {e}") from e
-
-
-@contextmanager
-def _written_whole(dst: str, where: str, who: str, reserve: Optional[int] = None) -> Iterator[AtomicFile]:
-    """:func:`_removed_on_error`, committed when the block ends."""
-    with _removed_on_error(dst, where, who, reserve) as out:
-        yield out
-        out.commit()
 
 
 def receive_checked(chunks: list[list[Span]], next_chunk: Callable[[list[Span]], bytes | memoryview], dst: str,
@@ -224,14 +205,11 @@ def window_plan(spans: list[Span], size: int, window: int = CHUNK_BYTES) -> list
     return windows
 
 
-Check = Callable[[memoryview, list[Span]], None]  # the bytes of some blocks, starting at the first one's start
-
-
 def _read_windows(fd: int, windows: list[Window], free: queue.Queue[Optional[mmap.mmap]],
                   ready: queue.Queue[tuple[Window, mmap.mmap, mmap.mmap] | BaseException], where: str, who: str,
-                  check: Check, mapped: bool) -> None:
+                  mapped: bool) -> None:
     """The reading end of a windowed copy: each window read into a free buffer (``mapped``: mapped from the file
-    instead, see :func:`_copy_windows`), and its blocks given to ``check``, in order."""
+    instead, see :func:`_copy_windows`), and its blocks checked, in order."""
     try:
         previous: Optional[tuple[Window, mmap.mmap]] = None
         for w in windows:
@@ -253,14 +231,14 @@ def _read_windows(fd: int, windows: list[Window], free: queue.Queue[Optional[mma
                 previous = (w, buffer)
             if w.spans:
                 base = w.spans[0].start - w.start
-                check(memoryview(data)[base : base + w.spans[-1].end - w.spans[0].start], list(w.spans))
+                check_chunk(memoryview(data)[base : base + w.spans[-1].end - w.spans[0].start], list(w.spans), where,
+                            who)
             ready.put((w, data, buffer))
     except BaseException as e:  # noqa: BLE001 - handed to the writing end, which raises it
         ready.put(e)
 
 
-def _copy_windows(fd: int, out: AtomicFile, windows: list[Window], where: str, who: str, check: Check,
-                  mapped: bool = False) -> None:
+def _copy_windows(fd: int, out: AtomicFile, windows: list[Window], where: str, who: str, mapped: bool) -> None:
     """``windows`` of ``fd`` (``where``) appended to ``out``: a thread reads and checks the next window while
     this one writes the last (two page-aligned buffers), so a copy takes about as long as the slower of reading
     and writing, and no byte is copied in memory on the way to an O_DIRECT destination.
@@ -280,7 +258,7 @@ def _copy_windows(fd: int, out: AtomicFile, windows: list[Window], where: str, w
     most = -(-max(w.read_end - w.start for w in windows) // DIRECT_ALIGN) * DIRECT_ALIGN
     for _ in range(min(2, len(windows))):  # unmapped when no view of them is left (an error may hold one)
         free.put(mmap.mmap(-1, most))  # mapped: a window in flight each, never touched
-    reader = Beside(partial(_read_windows, fd, windows, free, ready, where, who, check, mapped),
+    reader = Beside(partial(_read_windows, fd, windows, free, ready, where, who, mapped),
                     "fastpersist-copy-read")
     try:
         for _ in windows:
@@ -308,57 +286,7 @@ def copy_checked(src: str, dst: str, spans: list[Span], size: int, who: str, win
     fd = open_source(src, who, size)
     try:
         with _written_whole(dst, src, who, size if reserve else None) as out:
-            _copy_windows(fd, out, window_plan(spans, size, window), src, who,
-                          lambda data, chunk: check_chunk(data, chunk, src, who), mapped=in_memory(src))
+            _copy_windows(fd, out, window_plan(spans, size, window), src, who, in_memory(src))
     finally:
         os.close(fd)
     return time.perf_counter() - start
-
-
-@dataclass
-class PendingCopy:
-    """A copy made before its source's checksums were known: under its temporary name, with the digest of
-    each block it read, until :meth:`commit_if` finds them equal to the checksums of the index."""
-
-    out: AtomicFile
-    digests: list[tuple[int, int, str]]  # (start, end, XXH3) of each block, in file order
-    seconds: float  # from its first read to its last write
-
-    def commit_if(self, spans: list[Span]) -> bool:
-        """Commit the copy if it holds exactly the blocks ``spans`` (:func:`block_spans`), else remove it."""
-        if self.digests != [(s.start, s.end, s.record.checksums[s.block]) for s in spans]:
-            self.abandon()
-            return False
-        self.out.commit()
-        return True
-
-    def abandon(self) -> None:
-        """Remove the copy (no-op once committed)."""
-        self.out.abandon()
-
-
-def copy_pending(src: str, dst: str, layout: list[Span], size: int, who: str,
-                 window: int = CHUNK_BYTES) -> PendingCopy:
-    """Copy data file ``src`` (``size`` bytes, ``layout`` its blocks: :func:`block_layout`) to ``dst`` before its
-    checksums are known (a rank's file once written, before its checkpoint's index is committed).
-
-    Each block's digest is kept and the copy stays under its temporary name:
-    :meth:`PendingCopy.commit_if` puts it in place once the index's checksums
-    match, and otherwise removes it. An error removes the copy and raises like
-    :func:`receive_checked`. Its ``size`` bytes are allocated first (it goes
-    into a persistent directory: ``files.reserve_room``).
-    """
-    digests: list[tuple[int, int, str]] = []
-
-    def keep(data: memoryview, chunk: list[Span]) -> None:
-        base = chunk[0].start
-        digests.extend((s.start, s.end, digest_bytes(data[s.start - base : s.end - base])) for s in chunk)
-
-    fd = open_source(src, who, size)
-    try:
-        with _removed_on_error(dst, src, who, size) as out:
-            start = time.perf_counter()
-            _copy_windows(fd, out, window_plan(layout, size, window), src, who, keep, in_memory(src))
-    finally:
-        os.close(fd)
-    return PendingCopy(out, digests, time.perf_counter() - start)

@@ -1,13 +1,5 @@
-"""The persistent tier of a tiered checkpoint: a directory every node sees, or an object-store prefix.
-
-A tiered checkpoint's home (the ``checkpoint_dir`` given to ``save()``) is a
-path on a shared filesystem (NFS, Lustre, any directory) or, with
-multi-storage-client installed, an ``msc://PROFILE/PATH`` URL (S3 and the other
-stores msc serves: megatron-core's ``--enable-msc`` paths). The tiers move
-files through :class:`PersistentDir`, whose two kinds offer the same few
-operations, each whole or not at all: small files written and read in one
-piece, data files put and fetched with every block checked against the index
-(``storage/copy.py``), names listed, files removed.
+"""The persistent tier: a directory every node sees, or an ``msc://PROFILE/PATH`` object-store prefix, behind one
+small interface whose operations are whole or nothing (small files, checked data files, listings, removals).
 """
 
 from __future__ import annotations
@@ -62,7 +54,7 @@ class PersistentDir:
     def remove_tree(self, first: frozenset[str] = frozenset()) -> None:
         """Remove this directory and everything in it (nothing where it is not there): the files named in ``first``
         (commit markers), wherever they lie in it, before any other, so that a removal cut short leaves nothing
-        that passes for a whole checkpoint."""
+        that passes for a whole checkpoint. Raises ``ValueError`` where this is no checkpoint's directory."""
         raise NotImplementedError
 
     def put(self, name: str, src: str, spans: list[Span], size: int, who: str) -> float:
@@ -127,7 +119,7 @@ class PosixDir(PersistentDir):
         if not os.path.lexists(self.url):
             return
         if os.path.islink(self.url) or not os.path.isdir(self.url) or os.path.realpath(self.url) == "/":
-            raise FastPersistError(f"{self.url} is not a checkpoint's directory: not removed")
+            raise ValueError(f"{self.url} is not a checkpoint's directory: not removed")
         try:
             for parent, _, files in os.walk(self.url):
                 for name in first.intersection(files):
@@ -219,7 +211,7 @@ class MscDir(PersistentDir):
 
     def remove_tree(self, first: frozenset[str] = frozenset()) -> None:
         if not self._prefix:
-            raise FastPersistError(f"{self.url} is a whole store, not a checkpoint's prefix: not removed")
+            raise ValueError(f"{self.url} is a whole store, not a checkpoint's prefix: not removed")
         head = f"{self._prefix}/"
         keys = self._call("listing", "", lambda: [o.key for o in self._client.list(head) if o.key.startswith(head)])
         markers = [k for k in keys if k.rpartition("/")[2] in first]

@@ -1,10 +1,5 @@
-"""The checksum blocks of a data file (``Span``) and their checks: what every move of a file between tiers works in.
-
-A data file is its records back to back; each record's bytes are cut into
-checksum blocks from its start, whose checksums the index holds. Whatever
-carries a file's bytes moves them in chunks of whole blocks (:func:`chunk_plan`),
-each block checked (:func:`check_chunk`) before it is passed on; the error names
-the file, the byte offset and the record.
+"""The checksum blocks of a data file (``Span``), grouped into chunks and checked: what every move of a file
+between tiers works in.
 """
 
 from __future__ import annotations
@@ -28,13 +23,6 @@ class Span:
     block: int
 
 
-def block_layout(records: list[ShardRecord], block_bytes: int) -> list[Span]:
-    """The checksum blocks of ``records`` in file order (each record's bytes cut every ``block_bytes`` from its
-    start), whether or not their checksums are known yet (a file still being written)."""
-    return [Span(r.offset + b * block_bytes, r.offset + min(r.length, (b + 1) * block_bytes), r, b)
-            for r in sorted(records, key=lambda r: r.offset) for b in range(-(-r.length // block_bytes))]
-
-
 def block_spans(records: list[ShardRecord], block_bytes: int, size: int, where: str) -> list[Span]:
     """Every checksum block of a data file of ``size`` bytes in file order (``where``: the file, for errors).
 
@@ -51,7 +39,8 @@ def block_spans(records: list[ShardRecord], block_bytes: int, size: int, where: 
         if len(r.checksums) != blocks:
             raise CorruptCheckpointError(f"{where}: {r.describe()} has {len(r.checksums)} checksums for {blocks} "
                                          "blocks")
-    return block_layout(records, block_bytes)
+    return [Span(r.offset + b * block_bytes, r.offset + min(r.length, (b + 1) * block_bytes), r, b)
+            for r in records for b in range(-(-r.length // block_bytes))]
 
 
 def chunk_plan(spans: list[Span], chunk_bytes: int = CHUNK_BYTES) -> list[list[Span]]:

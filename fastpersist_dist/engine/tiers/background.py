@@ -1,26 +1,10 @@
-"""The threads that move tiered checkpoints while training goes on: one commits async saves to the local tiers
-once written (``local_commit.py``), one replicates, one drains, one removes the local copies a node no longer
-keeps, one removes the checkpoints a framework's retention gives up (``removal.py``), one writes a framework's
-files that could not reach the persistent tier when written (:func:`after_copies`).
+"""The threads that move tiered checkpoints while training goes on (docs/design.md, "Tiers"): the local commit
+of async saves, the replication, the drain, the retention of local copies, the removals a framework's retention
+asks for, and a framework's writes deferred until the persistent tier answers.
 
-Each runs its jobs one after another, in the order of the saves, so a rank's
-part of checkpoint N is done before its part of N+1, on every rank alike (the
-replication's transfers are collective). Replication and drain run beside
-each other: the drain does not wait for the replicas. A job that fails is
-logged and the next one runs. A drain is queued when its save is prepared and
-waits for that save's local commit; until then it does not count as a copy
-under way.
-
-A process that ends while copies are still under way waits for them at exit
-(logging what it waits for), so a training script's last checkpoint still
-becomes durable; ``FASTPERSIST_EXIT_WAIT_S`` bounds that wait. Local commits
-still waiting for writers are given up first (on every rank: a save whose
-every write is done is committed all the same), then the drains of saves never
-committed. The replicas travel over a group of their own
-(``topology.replication_group``), which a script's ``destroy_process_group()``
-leaves alone: the exit still sends them. No thread can be started while the
-process exits: the workers and their helpers are started with the first
-tiered save (:func:`start_threads`).
+Each thread runs its jobs in the order of the saves, a failed job logged and the next one run. A process waits
+at exit for its copies (``FASTPERSIST_EXIT_WAIT_S`` bounds it); the threads are started with the first tiered
+save, since an exiting interpreter starts none.
 """
 
 from __future__ import annotations
@@ -81,8 +65,7 @@ class Worker(Generic[J]):
 
     @property
     def pending(self) -> int:
-        """Jobs submitted and not finished, but for local commits and the drains still waiting for their save's
-        commit: copies of saves committed."""
+        """Copies of committed saves submitted and not finished (local commits and uncommitted drains aside)."""
         return sum(1 for job in self.open_jobs()
                    if not isinstance(job, LocalCommit) and (not isinstance(job, Drain) or job.committed.done()))
 
@@ -101,8 +84,7 @@ class Worker(Generic[J]):
 
 
 def _retain(job: Retention) -> None:
-    """The retention of one local commit, keeping what this process's replication has still to send or receive
-    (asked when it runs: replications queued since are of newer checkpoints)."""
+    """The retention of one local commit, keeping what this process's replication still sends or receives."""
     retain(job.config, job.current, replicating())
 
 
@@ -112,8 +94,8 @@ SAY_WAITING_AFTER_S = 1.0  # a save that waits this long (for copies, for a remo
 
 def _until(done: Callable[[], bool], timeout: Optional[float] = None,
            slow: Callable[[], None] = lambda: None) -> bool:
-    """Look at ``done()`` every ``POLL_S`` until it holds; whether it did within ``timeout`` s. ``slow`` is called
-    once where that takes ``SAY_WAITING_AFTER_S``."""
+    """Look at ``done()`` every ``POLL_S`` until it holds; whether it did within ``timeout`` s. ``slow()`` once
+    after ``SAY_WAITING_AFTER_S``."""
     start, said = time.monotonic(), False
     while not done():
         waited = time.monotonic() - start
@@ -175,9 +157,9 @@ retainer: Callable[[], Worker[Retention]] = _retainer.get
 
 
 def start_threads(replicas: bool) -> None:
-    """Start the threads a tiered save's background work runs on (the replication's where ``replicas``), and their
-    helpers (``util/beside.py``), unless running: its last checkpoint may be committed, replicated and drained
-    while the process exits, when no thread can be started any more."""
+    """Start the threads of a tiered save's background work (the replication's where ``replicas``) and their
+    helpers (``util/beside.py``), unless running: an exiting process, which may still move its last checkpoint,
+    starts no thread."""
     for worker in (_committer, _drainer, _retainer, _deferred) + ((_replicator,) if replicas else ()):
         worker.get()
     keep_helpers()
@@ -192,8 +174,8 @@ def commit_beside(job: LocalCommit) -> Callable[[], None]:
 
 
 def replicating() -> frozenset[str]:
-    """The checkpoint ids whose replication this process has queued or running. Each ends with an all-reduce
-    over the whole replication group, so where it is done here, every rank's transfers of it are done."""
+    """The checkpoint ids whose replication this process has queued or running (one done here is done on every
+    rank: each ends with an all-reduce over the group)."""
     if not _replicator.made():
         return frozenset()
     return frozenset(job.manifest.checkpoint_id for job in _replicator.get().open_jobs())
@@ -206,17 +188,16 @@ def _workers() -> list[Worker[Any]]:
 
 def remove_checkpoint(path: str) -> None:
     """Remove the checkpoint directory ``path`` (or a directory holding one, as a NeMo checkpoint holds its
-    ``weights/``), on any filesystem or an ``msc://`` prefix, once that loses no durable checkpoint; returns at
-    once (``removal.py``). Call it on rank 0, where a framework's retention removes checkpoints: its drain
-    commits each checkpoint on the persistent tier, so when it is done the checkpoint is durable or failed."""
+    ``weights/``), a path or an ``msc://`` prefix, once that loses no durable checkpoint (``removal.py``); returns
+    at once. Call it on rank 0, whose drain commits each checkpoint on the persistent tier."""
     newest = _drainer.get().last if _drainer.made() else None
     _remover.get().submit(Removal(checkpoint_url(path), _open_drains(), newest, time.monotonic()))
 
 
 def after_copies(write: Callable[[], None], what: str, retry_s: float) -> None:
-    """``write()``, a framework's write to the persistent tier that failed just now (the tier down), made again in
-    the background once the drains queued so far are done, and tried again until ``retry_s``: a file naming a
-    checkpoint (Megatron-LM's tracker) is then never there before that checkpoint's files."""
+    """``write()``, a framework's write to the persistent tier that failed just now, made in the background once
+    the drains queued so far are done, tried until ``retry_s``: a file naming a checkpoint (Megatron-LM's
+    tracker) never lands before that checkpoint's files."""
     _deferred.get().submit(Deferred(write, what, retry_s, _open_drains()))
 
 
@@ -236,39 +217,23 @@ def _copies_of(checkpoint_dir: str, local: Optional[str]) -> list[Any]:
 
 def begin_save(checkpoint_dir: str, local: Optional[str], who: str) -> None:
     """Before a save into ``checkpoint_dir`` (tiered: its node copy ``local``; None for one without tiers)
-    touches anything.
-
-    Waits until this process's replication and drain of a tiered checkpoint
-    saved there before are done, since the save removes and rewrites the files
-    they read and write. Each rank waits for its own, before the save's first
-    collective, so no rank removes a file another rank's copy still reads. A
-    drain whose save is not committed yet is not waited for: its commit runs on
-    the caller's thread (an async save still writing ``local`` is refused
-    before this). Then records that the save began, so that a removal of the
-    directory asked for before it keeps it (``removal.py``).
-    """
+    touches anything, on each rank before the save's first collective: wait for this process's replication and
+    committed drain of the checkpoint saved there before (the save removes and rewrites the files they read and
+    write), then record that the save began (:func:`saving_into`)."""
     url = checkpoint_url(checkpoint_dir)
-    jobs = _copies_of(url, local)
-    if jobs:
+    if _copies_of(url, local):
         waiting = (f"fastpersist: {who}: saving {url} again: waiting for this process's copies (replicas, the copy "
                    "to the persistent tier) of the checkpoint saved there before to end first")
-        logger.debug("%s (%d under way)", waiting, len(jobs), extra=event(WAITING_FOR_COPIES, checkpoint=url))
-        start, said = time.monotonic(), threading.Event()
-
-        def say() -> None:
-            logger.info("%s (%d under way)", waiting, len(_copies_of(url, local)))
-            said.set()
-
-        _until(lambda: not _copies_of(url, local), slow=say)
-        (logger.info if said.is_set() else logger.debug)(
-            "fastpersist: %s: waited %.2f s for the copies of the checkpoint saved in %s before", who,
-            time.monotonic() - start, url)
+        logger.debug(waiting, extra=event(WAITING_FOR_COPIES, checkpoint=url))
+        start = time.monotonic()
+        _until(lambda: not _copies_of(url, local), slow=lambda: logger.info(waiting))
+        logger.debug("fastpersist: %s: waited %.2f s for them", who, time.monotonic() - start)
     saving_into(url, who)
 
 
 def saving_into(checkpoint_dir: str, who: str) -> None:
-    """Record that this process begins saving into ``checkpoint_dir`` (``removal.SavesBegun``): a removal of it
-    asked for before keeps it; one removing it right now is waited for."""
+    """Record that this process begins saving into ``checkpoint_dir``: a removal of it asked for before keeps it;
+    one removing it right now is waited for."""
     url, begun = checkpoint_url(checkpoint_dir), _begun.get()
     if not begun.lock.acquire(timeout=SAY_WAITING_AFTER_S):
         logger.info("fastpersist: %s: saving %s: waiting for a removal under way to end first", who, url)
@@ -281,22 +246,15 @@ def saving_into(checkpoint_dir: str, who: str) -> None:
 
 
 def wait_copies(timeout: Optional[float] = None) -> bool:
-    """Wait until this process's replicas, copies to the persistent tier, removals of local copies no longer
-    kept and of checkpoints given up (``remove_checkpoint``), submitted so far, are done (at most ``timeout``
-    s); whether they are."""
+    """Wait until this process's background work submitted so far (replicas, drains, removals) is done, at most
+    ``timeout`` s; whether it is."""
     return _until(lambda: not any(w.pending for w in _workers()), timeout)
 
 
 def _give_up_uncommitted() -> None:
-    """At exit, the saves not committed: nothing of them is kept, but for a save whose every write is done.
-
-    Where a local commit waits for writes, the rank's writer first finishes
-    the jobs handed to it and stops (a job reaching it later, from a forked
-    async caller still running, fails rather than write a file no commit
-    takes). Then each local commit still waiting is given up
-    (``local_commit.py``: on every rank, unless every write is done by then),
-    then the drains of saves whose local commit never came.
-    """
+    """At exit, the saves not committed: the rank's writer finishes its jobs and stops (a later one fails), each
+    local commit still waiting is given up (on every rank, unless every write is done by then), then the drains
+    of saves never committed."""
     commits = _committer.get().open_jobs() if _committer.made() else []
     drains = _drainer.get().open_jobs() if _drainer.made() else []
     if commits:

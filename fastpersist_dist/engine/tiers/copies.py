@@ -1,23 +1,9 @@
-"""Where a load finds each file of a tiered checkpoint: the nearest intact copy first.
+"""Where a load finds each file of a tiered checkpoint: this node's copy, then a copy another rank of the load
+holds (``read_exchange.py``), then the persistent tier (docs/design.md, "Loading a tiered checkpoint").
 
-For each data file, in order: this node's local copy (its own ranks' files
-and the replicas it keeps for other nodes), when that copy is of the same
-checkpoint (same id); then the persistent tier, once the file was copied
-there and checked (the checkpoint durable, or the file's drain marker there:
-looked up only for the files a rank requests that its node lacks, and for a
-file whose nearer copies failed, so that a restart where the checkpoint was
-saved asks nothing of the persistent tier beyond its manifest, and, of one
-rank, the markers of a save committed there, which must be of the checkpoint
-the manifest names).
-Files this rank cannot reach are read by a rank that can (another node's
-local copy: ``read_exchange.py``); a copy whose bytes fail their checksums is
-left for the next one (``storage/reader.py``).
-
-The index comes from this node's copy, else from the persistent tier: its
-committed index once durable, before that the pending one. From an object
-store, the index and each data file a rank reads are fetched into this node's
-local copy first (checked on the way), which then serves the next load; the
-ranks of a node that need the same file fetch it once (``storage.files.made_once``).
+Before the checkpoint is durable, a persistent copy is looked up (its drain marker) only for a file this node
+lacks or whose nearer copies failed. From an object store the index and each data file are fetched into this
+node's copy first, once a node.
 """
 
 from __future__ import annotations
@@ -35,9 +21,9 @@ from ...format.tiers import DURABLE, TIERS_FILE, TierManifest, local_copy_dir
 from ...storage.copy import AtomicFile
 from ...storage.spans import block_spans
 from ...storage.files import made_once
-from ...storage.persistent import PersistentDir, PosixDir, persistent_dir
-from ...util.errors import FastPersistError
-from ...util.events import FETCHED, event
+from ...storage.persistent import PersistentDir, PosixDir, checkpoint_url, persistent_dir
+from ...util.errors import CorruptCheckpointError, FastPersistError
+from ...util.events import FETCHED, UNREACHABLE, event
 from .state import (check_current, drained_files, drained_marker, newest_durable_beside, pending_dir,
                     read_manifest)
 from .topology import describe_node
@@ -62,6 +48,7 @@ class Copies:
     dirs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     home: Optional[PersistentDir] = None  # an object store the data files are fetched from (None: a filesystem)
     local_ok: bool = False  # whether this node's copy is of this checkpoint
+    offline: bool = False  # the persistent tier cannot be reached: the local tiers alone are read
     independent: bool = False  # no rank reads for another in this load (share_reads="off")
     looked: set[str] = field(default_factory=set)  # data files whose persistent copy was looked for
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -75,13 +62,11 @@ class Copies:
         return frozenset(name for name, where in self.dirs.items() if where[:1] == (self.local,))
 
     def locate(self, requested: Iterable[str], independent: bool = False) -> None:
-        """Find this node's copies of every file of the checkpoint (a rank may read one for another rank that cannot
-        reach it) and, of a checkpoint that is durable, the persistent tier's; of one that is not, the persistent
-        tier's copies of the ``requested`` files this node lacks (the others' on demand: :meth:`further`), so that a
-        restart on the nodes that saved makes no request to the persistent tier. ``independent``: no rank reads for
-        another in this load (``share_reads="off"``), which the error for a file out of reach says."""
+        """Find this node's copies of every file and the persistent tier's: all of them where the checkpoint is
+        durable, else those of the ``requested`` files this node lacks (others on demand: :meth:`further`).
+        ``independent``: no rank reads for another in this load (``share_reads="off"``)."""
         self.independent = independent
-        home = persistent_dir(self.checkpoint_dir).url if self.manifest.state == DURABLE else None
+        home = persistent_dir(self.checkpoint_dir).url if self.manifest.state == DURABLE and not self.offline else None
         for data_file in self.manifest.files:
             found = [self.local] if self.local_ok and os.path.exists(os.path.join(self.local, data_file)) else []
             if home is not None:
@@ -103,7 +88,7 @@ class Copies:
         """Add the persistent tier to the copies of those of ``names`` copied there and checked (their drain markers;
         the state durable by now: all of them)."""
         names = [n for n in names if n not in self.looked]
-        if not names:
+        if not names or self.offline:
             return
         self.looked.update(names)
         home = persistent_dir(self.checkpoint_dir)
@@ -173,30 +158,43 @@ def _same_checkpoint(local: str, manifest: TierManifest) -> bool:
             and os.path.exists(os.path.join(local, INDEX_FILE)))
 
 
-def tiers_manifest(checkpoint_dir: str) -> Optional[TierManifest]:
-    """The tiers manifest of ``checkpoint_dir``, None for a checkpoint that is not tiered."""
-    return read_manifest(persistent_dir(checkpoint_dir))
+def tiers_manifest(checkpoint_dir: str, local_dir: Optional[str], who: str) -> tuple[Optional[TierManifest], bool]:
+    """The tiers manifest of ``checkpoint_dir`` (None: not tiered), and whether it is this node's copy's, read
+    because the persistent tier cannot be reached: then the load reads the local tiers alone, warned. That takes
+    ``local_dir``, this node's local tier (the manifest naming it is out of reach)."""
+    try:
+        return read_manifest(persistent_dir(checkpoint_dir)), False
+    except CorruptCheckpointError:
+        raise
+    except FastPersistError as e:
+        if local_dir is None:
+            raise
+        local = local_copy_dir(local_dir, checkpoint_dir)
+        try:
+            mine = read_manifest(PosixDir(local))
+        except FastPersistError:
+            mine = None
+        if mine is None or checkpoint_url(mine.checkpoint_dir) != checkpoint_url(checkpoint_dir):
+            raise FastPersistError(f"{e}; this node's copy {local} is not of it either") from e
+        logger.warning("fastpersist: %s: the persistent tier of %s cannot be reached (%s): loading checkpoint %s "
+                       "from the local tiers alone, as this node's copy %s records it (%s)", who, checkpoint_dir, e,
+                       mine.checkpoint_id, local, mine.state, extra=event(UNREACHABLE, checkpoint=checkpoint_dir))
+        return mine, True
 
 
 def copies_for_load(checkpoint_dir: str, manifest: TierManifest, who: str, local_dir: Optional[str] = None,
-                    check: bool = True) -> Copies:
+                    check: bool = True, offline: bool = False) -> Copies:
     """Where a load of the tiered checkpoint ``checkpoint_dir`` (``manifest``: its tiers manifest) reads.
-
-    ``local_dir``: the local tier's root on this node (default: the one the
-    checkpoint records). ``check``: whether this rank checks the manifest
-    against the index and ``.metadata`` committed beside it
-    (``state.check_current``, two reads of the persistent tier, the
-    ``.metadata`` as large as the checkpoint's chunk list): in a load whose
-    ranks fail together one rank does, and the others learn of its refusal at
-    the load's first collective. Raises ``FastPersistError`` where no index of
-    it can be found, naming the newest durable checkpoint beside it.
-    """
+    ``local_dir``: this node's local tier (default: the one the checkpoint records); ``check``: whether this rank
+    checks the manifest against what is committed beside it (``state.check_current``; one rank of a load whose
+    ranks fail together); ``offline``: the persistent tier cannot be reached (:func:`tiers_manifest`). Raises
+    ``FastPersistError`` where no index of it can be found."""
     home, since = persistent_dir(checkpoint_dir), time.time()
-    if check:
+    if check and not offline:
         check_current(home, manifest, who)
     local = local_copy_dir(local_dir or manifest.local_dir, checkpoint_dir)
-    copies = Copies(checkpoint_dir, manifest, local, local, home=None if home.local_path is not None else home,
-                    local_ok=_same_checkpoint(local, manifest))
+    copies = Copies(checkpoint_dir, manifest, local, local, home=None if home.local_path is not None or offline
+                    else home, local_ok=_same_checkpoint(local, manifest), offline=offline)
     if copies.local_ok:
         return copies
     source = home if manifest.state == DURABLE else pending_dir(home)

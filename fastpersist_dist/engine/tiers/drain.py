@@ -1,37 +1,13 @@
-"""The drain: a tiered checkpoint copied from the local tiers to the persistent tier, its index committed last.
+"""The drain: a tiered checkpoint copied from the local tiers to the persistent tier, its index committed last
+(docs/design.md, "The drain").
 
-Each rank's drain job is queued when its save is prepared and waits for the
-local commit to hand it the manifest (``Drain.committed``). Meanwhile, for an
-async save to a persistent directory, it already copies the rank's data file
-there once the rank's writer is done with it (its status file:
-``storage/copy.py``'s ``copy_pending``). The copy stays under a temporary
-name, keeping each block's digest, and is put in place only if those equal the
-checksums of the committed index, and is made again from the local copy
-otherwise; so the copy of a written file does not wait for the loop's next
-finalize, where the local commit runs. A synchronous save's data file (its
-caller waits for the write and commits right after) and a file for an object
-store (uploaded whole) are copied after the local commit, once rank 0's drain
-has made the steps of the save that could not reach the persistent tier
-(``save.py``: an object store down), tried again until ``retry_s``, and said so
-in the default group's store (``topology.drain_store``). Either way every
-block is checked against the index, and the rank leaves a marker there naming
-the checkpoint (a load of a checkpoint not durable yet reads the files marked
-so). Then, whatever became of its copy, each rank counts itself done in the
-store: one request per rank and checkpoint. Rank 0's drain waits for that count on its store, not on the
-persistent tier (on an object store each look would be a LIST), then lists the
-directory once, and where every data file's marker is there copies the index
-files in commit order (the format's marker last), records the state
-``durable`` and removes the markers and the pending index. Nothing of the
-persistent directory's committed index exists before that: it never shows
-durable early.
-
-A copy that fails for a reason other than the bytes (the store unreachable,
-the filesystem full) is tried again with growing pauses until
-``TierConfig.retry_s`` has passed, each failure logged; a damaged source
-block is not retried. A rank whose copy failed for good leaves a failure
-marker, which rank 0's listing finds, saying which rank and why; the
-checkpoint stays in the local tiers (loadable there), and the next save goes
-on.
+Each rank's job waits for its save's local commit, then copies the rank's data
+file from the node's copy, every block checked, marks it copied there and
+counts itself done in the default group's store; rank 0 waits for that count,
+lists the directory once and commits the index, then records ``durable``. A
+copy failing for a reason other than the bytes is tried again until
+``retry_s``; one that fails for good leaves a failure marker, and the
+checkpoint stays in the local tiers.
 """
 
 from __future__ import annotations
@@ -42,15 +18,14 @@ import random
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
 from ...format.checksum import digest_bytes
-from ...format.records import INDEX_FILE, ShardRecord, is_data_file, status_file_name
+from ...format.records import INDEX_FILE, is_data_file
 from ...format.tiers import DRAINED_PREFIX, DURABLE, TierManifest
-from ...storage.copy import PendingCopy, copy_pending
-from ...storage.spans import Span, block_layout, block_spans
+from ...storage.spans import block_spans
 from ...storage.files import TMP_SUFFIX
 from ...storage.persistent import PersistentDir, persistent_dir
 from ...util.errors import CorruptCheckpointError, FastPersistError
@@ -63,27 +38,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 FIRST_PAUSE_S = 1.0
 LONGEST_PAUSE_S = 30.0
-
-
-WRITTEN_POLL_S = 0.01  # how often a copy waiting for the whole file looks for the writer's status
 COUNT_POLL_S = 0.2  # the longest pause of a drain's wait between its looks at the process group's store
 # A copy under a temporary name last written this long before a checkpoint's local commit is not one of that
-# checkpoint's (its copies are written after its call): an earlier save's that died, which rank 0 removes.
+# checkpoint's (its copies are written after it): an earlier save's that died, which rank 0 removes.
 STALE_COPY_S = 3600.0
-ONCE_WRITTEN = "once written, before the local commit"  # when a data file is copied (``Planned``), as logged
-AFTER_COMMIT = "after the local commit"
-
-
-@dataclass(frozen=True)
-class Planned:
-    """A rank's data file as its save planned it: what a copy before the local commit needs."""
-
-    records: tuple[ShardRecord, ...]  # placed back to back, their checksums not known yet
-    block_bytes: int  # the checksum block
-
-    @property
-    def size(self) -> int:
-        return sum(r.length for r in self.records)
 
 
 @dataclass(frozen=True)
@@ -97,7 +55,6 @@ class Drain:
     node: str  # this node, for messages
     data_file: str  # this rank's
     retry_s: float
-    planned: Optional[Planned]  # None: copied after the local commit (no data file, a synchronous save)
     store: dist.Store  # topology.drain_store(): where each rank counts its part done
     world: int  # the ranks that count themselves there
     unpublished: list[Callable[[], None]]  # rank 0: its save's steps on the persistent tier still to make (save.py)
@@ -106,34 +63,19 @@ class Drain:
 def drain(job: Drain) -> None:
     """This rank's part of ``job`` (see the module)."""
     who = f"rank {job.rank} ({job.node})"
-    home = persistent_dir(job.checkpoint_dir)
-    early = _copy_once_written(job, home, who)
     try:
         m = job.committed.result()
     except Exception as e:  # noqa: BLE001 - the save failed: its finalize reported it on every rank
         logger.debug("fastpersist: %s: %s was not committed, nothing to drain: %s", who, job.checkpoint_dir, e)
-        if early is not None:
-            early.abandon()
         return
     # Rank 0 publishes what its save could not write on the persistent tier, even where the checkpoint is kept
     # local (persistent=False, or the drain's backlog full); only a checkpoint to be drained is copied.
     published = _published(job, m, who) if job.rank == 0 else m.persistent and _await_published(job, m, who)
     if not (published and m.persistent):
-        if early is not None:
-            early.abandon()
         return
-    start = time.perf_counter()
+    start, home = time.perf_counter(), persistent_dir(job.checkpoint_dir)
     try:
-        _copy(job, m, home, early, who, start)
-    finally:
-        if early is not None:
-            early.abandon()  # unless it was committed
-
-
-def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[PendingCopy], who: str,
-          start: float) -> None:
-    try:
-        sizes = _copy_and_mark(job, m, home, early, who)
+        sizes = _copy_and_mark(job, m, home, who)
     finally:
         _count_done(job, m, who)
     if job.rank == 0 and sizes is not None:
@@ -143,8 +85,7 @@ def _copy(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[Pend
             logger.error("fastpersist: rank 0: %s stays in the local tiers (not durable): %s", m.checkpoint_dir, e)
 
 
-def _copy_and_mark(job: Drain, m: TierManifest, home: PersistentDir, early: Optional[PendingCopy], who: str
-                   ) -> Optional[dict[str, int]]:
+def _copy_and_mark(job: Drain, m: TierManifest, home: PersistentDir, who: str) -> dict[str, int] | None:
     """This rank's data file copied and marked (its failure marked where it failed for good); the sizes of the
     checkpoint's data files, or None where its copy failed or a newer save took the directory over."""
     index = read_index(job.local, who)
@@ -155,18 +96,15 @@ def _copy_and_mark(job: Drain, m: TierManifest, home: PersistentDir, early: Opti
         if job.rank == 0:
             _remove_stale(home, m)
         if size is not None:  # a rank with nothing to write has no data file
-            src = os.path.join(job.local, job.data_file)
+            src, dst = os.path.join(job.local, job.data_file), home.where(job.data_file)
             spans = block_spans([r for r in index.records if r.file == job.data_file], index.checksum_block_bytes,
                                 size, src)
-            dst = home.where(job.data_file)
-            if early is not None and _taken(early, spans, who, src):
-                _say_copied(who, src, dst, ONCE_WRITTEN, early.seconds, size)
-            else:
-                seconds = retrying(lambda: home.put(job.data_file, src, spans, size, who), job.retry_s,
-                                    f"{who}: copying {src} to {dst}")
-                _say_copied(who, src, dst, AFTER_COMMIT, seconds, size)
+            seconds = retrying(lambda: home.put(job.data_file, src, spans, size, who), job.retry_s,
+                               f"{who}: copying {src} to {dst}")
+            logger.debug("fastpersist: %s: %s copied to %s in %.2f s (%.2f GiB/s), every block checked", who, src,
+                         dst, seconds, size / 2**30 / max(seconds, 1e-9), extra=event(COPIED, file=dst))
         retrying(lambda: home.write(drained_marker(m, job.data_file), b""), job.retry_s,
-                  f"{who}: marking {job.data_file} copied in {home.url}")
+                 f"{who}: marking {job.data_file} copied in {home.url}")
     except FastPersistError as e:
         logger.error("fastpersist: %s: %s stays in the local tiers: %s", who, m.checkpoint_dir, e)
         try:
@@ -244,45 +182,6 @@ def _await_every_rank(job: Drain, m: TierManifest) -> None:
             job.store.delete_key(done_with)
         except RuntimeError as e:
             logger.debug("fastpersist: rank 0: %s stays in the store: %s", done_with, e)
-
-
-def _taken(early: PendingCopy, spans: list[Span], who: str, src: str) -> bool:
-    """Whether the copy of ``src`` made before the local commit is now put in place, since it holds exactly
-    ``spans`` (where not, logged: the file is then copied again)."""
-    try:
-        if early.commit_if(spans):
-            return True
-        reason = "does not match its index"
-    except OSError as e:
-        reason = f"could not be put in place ({e})"
-    logger.warning("fastpersist: %s: the copy of %s made before the local commit %s; copying it again", who, src,
-                   reason)
-    return False
-
-
-def _say_copied(who: str, src: str, dst: str, when: str, seconds: float, size: int) -> None:
-    logger.debug("fastpersist: %s: %s copied to %s %s in %.2f s (%.2f GiB/s), every block checked", who, src, dst,
-                 when, seconds, size / 2**30 / max(seconds, 1e-9), extra=event(COPIED, file=dst, when=when))
-
-
-def _copy_once_written(job: Drain, home: PersistentDir, who: str) -> Optional[PendingCopy]:
-    """This rank's data file copied to a persistent directory once its writer has written it, before the local
-    commit; None where it is not (an object store, a synchronous save, nothing to write, the save failed, any
-    error: the copy is then made after the commit)."""
-    if job.planned is None or home.local_path is None:
-        return None
-    src = os.path.join(job.local, job.data_file)
-    status = os.path.join(job.local, status_file_name(job.rank))  # left by the writer once it is done
-    try:
-        while not (job.committed.done() or os.path.exists(status)):
-            time.sleep(WRITTEN_POLL_S)
-        if job.committed.done() and job.committed.exception() is not None:
-            raise FastPersistError(f"the save of {src} failed")
-        return copy_pending(src, os.path.join(home.local_path, job.data_file),
-                            block_layout(list(job.planned.records), job.planned.block_bytes), job.planned.size, who)
-    except (FastPersistError, OSError) as e:
-        logger.debug("fastpersist: %s: not copying %s before the local commit: %s", who, src, e)
-        return None
 
 
 def _commit(home: PersistentDir, m: TierManifest, sizes: dict[str, int], job: Drain, start: float) -> None:
@@ -388,7 +287,7 @@ def _remove_stale_files(home: PersistentDir, m: TierManifest) -> None:
 def _written_long_before(home: PersistentDir, name: str, created: float) -> bool:
     """Whether the temporary copy ``name`` was last written ``STALE_COPY_S`` or more before the local commit at
     ``created``: left by an earlier save into the directory that died (this save's copies are written after its
-    call), not one of this checkpoint's. An object store has no temporary names."""
+    local commit), not one of this checkpoint's. An object store has no temporary names."""
     if home.local_path is None:
         return False
     try:

@@ -1,22 +1,6 @@
-"""An async tiered save's local commit, made beside training as soon as every rank's writer is done.
-
-The training loop finalizes an async save at its next step after the writes
-end (megatron's queues look once per step), and a step can take seconds: a
-local commit made there would hold the replicas and the persistent tier's
-commit back by up to a step, and run the commit's collectives and file writes
-on the trainer's thread. So each rank queues its part of the commit on a
-thread of its own (``background.py``'s committer). Each rank's committer
-waits for its own writer (a look for its status file every ``POLL_S``, on the
-node itself, or finalize saying the write is over), then the ranks agree in
-one all-reduce, over a gloo group of their own (:func:`commit_group`), of
-whether every rank's write is over and whether a rank gives the save up (its
-process exits): one collective per save whatever the world size, its wait
-bounded by the group's timeout (torch's default for gloo, 30 minutes: writers
-of one save end seconds apart on node-local storage). Once every write is
-over, every rank runs the commit (``TieredSave.commit``, its collectives over
-that group); where a rank gives up first, nothing is committed and every
-rank's finalize raises. The save's finalize waits for the commit's outcome
-and raises its error.
+"""An async tiered save's local commit, made beside training as soon as every rank's writer is done
+(docs/design.md, "The local commit"): each rank's committer waits for its own writer's status file, the ranks
+agree in one all-reduce over a gloo group of their own, then commit over it; finalize takes the outcome.
 """
 
 from __future__ import annotations

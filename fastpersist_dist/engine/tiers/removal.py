@@ -1,28 +1,9 @@
 """Removing a checkpoint the way a training framework's retention does, without losing the newest durable one.
 
-A framework keeps its last checkpoints (NeMo's ``save_top_k``, a cleanup
-script) and removes an older one right after saving a newer one. With tiers
-the newer one is then in the local tiers only: removed at once, the older one
-would leave the run without a durable checkpoint until the drain ends, and a
-node lost meanwhile would lose the run's progress. So a removal
-(``background.remove_checkpoint``) runs on a thread of its own: it waits for
-this process's copies to the persistent tier of the saves made before it was
-asked for (an async save still being written included), then removes the
-directory where the newest of those checkpoints is durable, or lies inside
-the directory removed (a framework removing the checkpoint it just saved).
-Otherwise (that save failed, or its copy to the persistent tier did) the
-directory stays, and a warning names both. Where this process saved nothing to
-a persistent tier there is nothing to wait for.
-
-A save this process begins in the directory after the removal was asked for
-(the same name saved again) keeps it, with a warning: the removal was of the
-checkpoint that was there. The check and the removal hold the lock a save
-takes to record its beginning (``SavesBegun``), so a save never begins in a
-directory while it is being removed.
-
-Commit markers go first (``remove_tree``): a removal cut short leaves files
-that no loader takes for a checkpoint. Each node's local copy of a removed
-checkpoint goes with that node's next local commit (``retention.py``).
+A removal waits for this process's drains of the saves made before it was asked for, then removes the directory
+only where the newest of those checkpoints is durable (or lies inside it); a save begun in the directory since
+keeps it. Commit markers go first, so a removal cut short leaves nothing taken for a checkpoint. A persistent
+tier out of reach is tried again for the newest drain's ``retry_s``, each try taking the saves' lock anew.
 """
 
 from __future__ import annotations
@@ -36,8 +17,9 @@ from typing import Optional
 from ...format.kinds import MEGATRON_CONFIG_FILE
 from ...format.tiers import DURABLE, TIERED_MARKERS
 from ...storage.persistent import checkpoint_url, persistent_dir
-from ...util.errors import FastPersistError
-from .drain import Drain
+from ...util.config import TierConfig
+from ...util.errors import CorruptCheckpointError, FastPersistError
+from .drain import Drain, retrying
 from .state import checkpoint_state
 
 logger = logging.getLogger(__name__)
@@ -81,7 +63,8 @@ class SavesBegun:
 
 
 def kept_because(job: Removal) -> Optional[str]:
-    """Why ``job.path`` must stay (its drains done): None where removing it loses no durable checkpoint."""
+    """Why ``job.path`` must stay (its drains done): None where removing it loses no durable checkpoint. Raises
+    ``FastPersistError`` where the persistent tier does not answer (tried again by :func:`remove`)."""
     newest = job.newest
     if newest is None:
         return None
@@ -94,7 +77,7 @@ def kept_because(job: Removal) -> Optional[str]:
         return None
     try:
         state = checkpoint_state(newest_dir)
-    except FastPersistError as e:
+    except CorruptCheckpointError as e:
         return f"the state of the newest checkpoint this process saved, {newest_dir}, cannot be read ({e})"
     if state == DURABLE:
         return None
@@ -104,24 +87,33 @@ def kept_because(job: Removal) -> Optional[str]:
 
 def remove(job: Removal, begun: SavesBegun) -> None:
     """Remove ``job.path`` unless :func:`kept_because` says why not, or a save began in it since the removal was
-    asked for (logged); its drains are done."""
-    reason = kept_because(job)
-    if reason is not None:
-        logger.warning("fastpersist: %s was to be removed and is kept: %s; remove it once a newer checkpoint is "
-                       "durable", job.path, reason)
+    asked for (logged); its drains are done. A persistent tier that does not answer is tried again for the newest
+    drain's ``retry_s`` (see the module), then logged as an error."""
+    retry_s = TierConfig.retry_s if job.newest is None else job.newest.retry_s
+    try:
+        reason = retrying(lambda: _remove_once(job, begun), retry_s, f"removing {job.path}")
+    except (FastPersistError, ValueError) as e:  # ValueError: remove_tree refused the directory itself
+        logger.error("fastpersist: %s was to be removed: %s", job.path, e)
         return
-    with begun.lock:
-        again = begun.since(job.path, job.asked)
-        if again is not None:
-            logger.warning("fastpersist: %s was to be removed and is kept: this process began saving into %s after "
-                           "the removal was asked for, so it holds a newer checkpoint than the one to remove",
-                           job.path, again)
-            return
-        try:
-            persistent_dir(job.path).remove_tree(COMMIT_MARKERS)
-        except FastPersistError as e:
-            logger.error("fastpersist: %s was to be removed: %s", job.path, e)
-            return
+    if reason is not None:
+        logger.warning("fastpersist: %s was to be removed and is kept: %s", job.path, reason)
+        return
     newest = "" if job.newest is None else f", once {job.newest.checkpoint_dir} was durable"
     logger.info("fastpersist: removed %s%s (%.2f s after it was asked for)", job.path, newest,
                 time.monotonic() - job.asked)
+
+
+def _remove_once(job: Removal, begun: SavesBegun) -> Optional[str]:
+    """One try of :func:`remove`: why ``job.path`` is kept, or None where it is removed; raises
+    ``FastPersistError`` where the persistent tier does not answer (tried again), ``ValueError`` where
+    ``remove_tree`` refuses the directory (not)."""
+    reason = kept_because(job)
+    if reason is not None:
+        return f"{reason}; remove it once a newer checkpoint is durable"
+    with begun.lock:
+        again = begun.since(job.path, job.asked)
+        if again is not None:
+            return (f"this process began saving into {again} after the removal was asked for, so it holds a newer "
+                    "checkpoint than the one to remove")
+        persistent_dir(job.path).remove_tree(COMMIT_MARKERS)
+    return None

@@ -1,26 +1,6 @@
-"""Replicas: each node's data files copied into the local tiers of other nodes over ``torch.distributed``.
-
-Runs on every rank's replication thread after the local commit, over a gloo
-group of its own (``topology.replication_group``). Both ends of a transfer
-read the same index from their node's copy, so they cut the file into the
-same chunks of whole checksum blocks (``storage/spans.py``). The sender sends
-each chunk from the file's own pages where the local tier is in memory (a
-tmpfs), else reads it into one of two buffers and sends it while reading the
-next. The receiver checks each chunk against its checksums while the next
-arrives (a rank's sends run on a thread of their own beside its receives, so
-that both directions of a pair of nodes move at once), and
-renames the file into its node's copy only when every block matched. A block
-that does not match is reported (file, byte offset, record, sender's node) and
-the rest of that file is received and dropped, so both ends stay in step.
-
-At the end every rank says whether its part went well (an all-reduce over the
-group); where all did, rank 0 records the checkpoint as ``replicated``. A peer
-that died makes the transfers with it fail, at the latest once a chunk has not
-moved for a minute (``FASTPERSIST_REPLICA_CHUNK_WAIT_S``; gloo does not notice
-a killed peer: a send to it waits for the group's timeout otherwise, 30
-minutes); the checkpoint then stays ``local``,
-and replication is off in this process from then on (the group is broken),
-said once.
+"""Replicas: each node's data files copied into the local tiers of other nodes over a gloo group of their own,
+every chunk checked on arrival (docs/design.md, "Replicas"). A peer that died leaves the checkpoint ``local``
+and turns replication off in this process, said once.
 """
 
 from __future__ import annotations
@@ -44,7 +24,6 @@ from ...util.beside import Beside
 from ...util.errors import CorruptCheckpointError
 from ...util.per_process import PerProcess
 from ..index_reader import read_index
-from .part import RankPart
 from .state import advance
 
 logger = logging.getLogger(__name__)
@@ -60,9 +39,13 @@ def chunk_wait() -> datetime.timedelta:
 
 
 @dataclass(frozen=True)
-class Replication(RankPart):
+class Replication:
     """One rank's part of replicating one checkpoint."""
 
+    manifest: TierManifest
+    local: str  # this node's copy of the checkpoint
+    rank: int
+    node: str  # this node, for messages
     group: dist.ProcessGroup
 
 

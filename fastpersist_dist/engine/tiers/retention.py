@@ -1,24 +1,6 @@
-"""Which local copies a node keeps: the newest ``keep_local``, and every copy something still needs.
-
-A node's local tier holds copies of several checkpoints (its own files and
-the replicas it keeps for other nodes). After each local commit the node's
-first rank removes the older ones beyond ``TierConfig.keep_local`` (on a thread
-of its own, ``background.py``: the commit is, in an async save, the training
-loop's finalize, and removing a copy on a disk takes time), except:
-
-* a copy whose checkpoint is not durable yet (persistent checkpoints: it may
-  be the only copy of those files), and the copy of the newest durable one;
-  but a copy whose checkpoint the persistent tier no longer holds (its
-  directory removed, or overwritten by another save, tiered or not: its
-  manifest is another's, or gone and an index committed) is of no checkpoint:
-  it goes, among the newest ``keep_local`` too (a directory with files and no
-  manifest nor index yet is a save under way: kept);
-* a copy whose replication has not finished in this process (saves can
-  outrun their replicas: the copy is what the node sends, or where it
-  receives, once the replication queued before gets to it);
-* a copy a load on this node is reading (each load holds a shared lock on the
-  copy's ``IN_USE_FILE`` while it runs; removal takes it exclusively, without
-  waiting, and skips the copy when it cannot).
+"""Which local copies a node keeps: the newest ``keep_local`` and every copy something still needs (not durable
+yet, the newest durable, still replicating, being read); a copy of a checkpoint the persistent tier no longer
+holds goes whatever its age (docs/design.md, "Retention").
 """
 
 from __future__ import annotations

@@ -1,34 +1,9 @@
-"""A tiered save: each node's local tier first, then replicas and the persistent tier in the background.
+"""A tiered save: each node's local tier first, then replicas and the persistent tier in the background
+(docs/design.md, "The local commit"; "The drain").
 
-A save with a ``TierConfig`` writes each rank's data file into its node's copy
-of the checkpoint (``format.tiers.local_copy_dir``) through the usual engine.
-The local commit (:meth:`TieredSave.commit`: a synchronous save's right after
-its write; an async save's beside training as soon as every rank's writer is
-done, ``local_commit.py``, which its finalize waits for) writes the index into
-every node's copy and then its tiers manifest; rank 0 writes the index,
-not committed, into the persistent directory's ``PENDING_DIR`` (a node whose
-local tier is empty finds it there), the small files megatron reads before
-any strategy (``common.pt``, ``metadata.json``), and the manifest in state
-``local``: the checkpoint is loadable from the local tiers from then on. Then
-each rank hands its part to the background threads (``background.py``): the
-replicas (``replicate.py``, with ``replicas`` > 0) and the drain (``drain.py``:
-queued before the write, where it may already copy the data file, it waits for
-this commit to put the copy in place); and each node's first rank queues the
-retention (``retention.py``).
-
-A save never waits for the persistent tier nor fails on it: where rank 0
-cannot reach it (an object store down) for the invalidation before the write
-or for the commit's files, the save goes on to the local tiers, and rank 0's
-drain makes those steps once the tier answers (``TierConfig.retry_s``), before
-any rank copies a data file there; a save of ``persistent=False`` is drained
-for that alone.
-
-The drain's backlog is bounded: where rank 0 finds the copies of
-``DRAIN_BACKLOG`` checkpoints committed before still under way (a persistent
-tier slower than the saves, or down), the checkpoint stays local, as one saved
-``persistent=False`` (its manifest says so, and ``keep_local`` removes it in
-turn), decided by rank 0 for every rank at once; the older checkpoints go on
-to durable, and the next save committed once fewer wait is drained.
+A save never waits for the persistent tier nor fails on it: rank 0's steps there that cannot be made during the
+save are kept for its drain. The drain's backlog is bounded: a checkpoint committed while ``DRAIN_BACKLOG``
+older ones still drain stays local.
 """
 
 from __future__ import annotations
@@ -46,19 +21,19 @@ import torch.distributed as dist
 
 from ...format.checksum import digest_bytes
 from ...format.kinds import CheckpointFormat
-from ...format.records import INDEX_FILE, ShardRecord, status_file_name
+from ...format.records import INDEX_FILE, status_file_name
 from ...format.tiers import LOCAL, TIERED_MARKERS, TIERS_FILE, TierManifest, local_copy_dir
 from ...plan.replicas import replica_nodes
-from ...storage.files import atomic_write, fsync_path, unlink_quietly
+from ...storage.files import atomic_write, fsync_path
 from ...storage.persistent import PersistentDir, persistent_dir, write_at_once
 from ...storage.mounts import SHMEM_ENABLED, small_pages_in_memory
-from ...util.config import TierConfig, WriteConfig
+from ...util.config import TierConfig
 from ...util.errors import FastPersistError, SaveFailedError
 from ...util.events import COMMITTED_LOCALLY, NOT_DRAINED, UNREACHABLE, event
 from ..agreement import Agreement, failure
 from ..directory import invalidate
 from .background import begin_save, commit_beside, drainer, replicator, retainer, start_threads
-from .drain import Drain, Planned
+from .drain import Drain
 from .local_commit import LocalCommit, commit_group
 from .replicate import Replication
 from .retention import Retention
@@ -68,9 +43,7 @@ from .topology import Topology, check_node_local, describe_node, drain_store, re
 logger = logging.getLogger(__name__)
 
 # Checkpoints whose copies to the persistent tier may be under way when a save is committed locally; a save that
-# finds this many on rank 0 stays local (see the module). On a node, a save every few minutes and a copy at the
-# network's speed, one checkpoint copying and one waiting lets a burst of saves through, while a persistent tier
-# slower than the saves never makes the queue, its local copies (kept until durable) and its memory grow.
+# finds this many on rank 0 stays local (docs/design.md, "The drain": the model behind two).
 DRAIN_BACKLOG = 2
 
 
@@ -85,21 +58,16 @@ class TieredSave:
     replicas: tuple[tuple[int, ...], ...]  # node -> the nodes that keep copies of its files
     group: Optional[dist.ProcessGroup]  # the replication group, where there are replicas
     rank: int
-    # megatron's own files of the checkpoint (metadata.json: compat.megatron_config), which its save() writes
-    # after the strategy's, at finalize for an async save: rank 0 writes them to the persistent directory with
-    # the local commit, so that a checkpoint its manifest calls local (or durable) is one megatron's load() takes.
+    # megatron's own files (metadata.json), which its save() writes only at finalize: rank 0 writes them with the
+    # local commit, so that a checkpoint its manifest calls local is one megatron's load() takes.
     megatron_files: dict[str, bytes]
-    # Rank 0: the steps on the persistent tier (the invalidation, the commit's files) that could not be made during
-    # the save, in order: its drain makes them once the tier answers (``drain.py``).
+    # Rank 0: the steps on the persistent tier not made during the save, in order, for its drain to make.
     unpublished: list[Callable[[], None]] = field(default_factory=list)
 
     @classmethod
     def start(cls, config: TierConfig, checkpoint_dir: str, megatron_files: dict[str, bytes]) -> "TieredSave":
-        """Collective: this save's copies; this node's copy directory made (every rank, before any check).
-
-        Raises ``ValueError`` on every rank alike where there are fewer other
-        nodes than ``replicas``, or where two nodes see one ``local_dir``.
-        """
+        """Collective: this save's copies; this node's copy directory made. Raises ``ValueError`` on every rank
+        alike where there are fewer other nodes than ``replicas``, or two nodes see one ``local_dir``."""
         start_threads(config.replicas > 0)
         topo = topology()
         local = local_copy_dir(config.local_dir, checkpoint_dir)
@@ -125,8 +93,7 @@ class TieredSave:
         return self.topology.nodes[self.node][0] == self.rank
 
     def begin(self) -> None:
-        """Before this save's first collective: this rank's copies of the checkpoint saved here before ended, and
-        the save recorded as begun (``background.begin_save``)."""
+        """Before this save's first collective: ``background.begin_save``."""
         begin_save(self.checkpoint_dir, self.local, f"rank {self.rank} ({describe_node()})")
 
     def invalidate(self, rewritten: frozenset[str]) -> None:
@@ -138,9 +105,8 @@ class TieredSave:
             self._on_persistent_tier(partial(_remove_markers, persistent_dir(self.checkpoint_dir)))
 
     def _on_persistent_tier(self, step: Callable[[], None]) -> None:
-        """Rank 0: ``step`` made on the persistent tier now; where the tier cannot be reached, or an earlier step
-        of this save is still waiting, kept for the drain, which makes it once the tier answers: a tiered save
-        neither waits for the persistent tier nor fails on it."""
+        """Rank 0: ``step`` made on the persistent tier now, or, where the tier cannot be reached or an earlier
+        step waits, kept for the drain to make once the tier answers."""
         if not self.unpublished:
             try:
                 step()
@@ -152,41 +118,21 @@ class TieredSave:
                                extra=event(UNREACHABLE, checkpoint=self.checkpoint_dir))
         self.unpublished.append(step)
 
-    def drain_beside(self, data_file: str, records: list[ShardRecord], config: WriteConfig, beside_writer: bool
-                     ) -> "Future[TierManifest]":
-        """Once every rank agreed to write, before the write: this rank's drain queued (``drain.py``); the future
-        that :meth:`commit` resolves.
-
-        Where the write runs in the rank's writer process (``beside_writer``:
-        an async save; a synchronous save's caller waits for its write and
-        commits right after), the drain copies the data file (planned as
-        ``records``) to a persistent directory once it is written, without
-        waiting for the local commit; else after the commit. A save the
-        persistent tier never gets (``persistent=False``) is drained too: rank
-        0's drain makes the steps of its local commit that could not reach the
-        persistent tier.
-        """
-        # The writer's own first step, taken before the drain looks: it follows only the file of this save.
-        unlink_quietly(os.path.join(self.local, data_file))
+    def drain_beside(self, data_file: str) -> "Future[TierManifest]":
+        """Before the write: this rank's drain queued (also with ``persistent=False``: rank 0's makes the steps
+        kept for it); the future that :meth:`commit` resolves."""
         committed: Future[TierManifest] = Future()
-        early = records and beside_writer and self.config.persistent
-        planned = Planned(tuple(records), config.checksum_block_bytes) if early else None
         drainer().submit(Drain(committed, self.checkpoint_dir, self.local, self.rank, describe_node(), data_file,
-                               self.config.retry_s, planned, drain_store(), dist.get_world_size(), self.unpublished))
+                               self.config.retry_s, drain_store(), dist.get_world_size(), self.unpublished))
         return committed
 
     def commit(self, finalize: Callable[..., Optional[list[tuple[str, bytes]]]], fmt: CheckpointFormat,
                aux_files: dict[str, bytes], committed: "Future[TierManifest]",
                beside: Optional[dist.ProcessGroup] = None) -> TierManifest:
-        """Collective: the local commit (see the module), then the background work handed this checkpoint.
-
-        ``finalize``: the commit of the writes (``engine/commit.py``'s
-        ``finalize_save``, its ``beside`` given). ``committed``
-        (:meth:`drain_beside`'s) gets the manifest, or the error where the
-        commit failed: the drain then discards what it copied. ``beside``: the
-        group every collective runs over where the commit is made beside
-        training (:meth:`commit_when_written`); None: the trainer's.
-        """
+        """Collective: the local commit, then the background work handed this checkpoint. ``finalize``: the
+        commit of the writes (``engine/commit.py``'s ``finalize_save``); ``committed`` (:meth:`drain_beside`'s)
+        gets the manifest or the error; ``beside``: the group of a commit made beside training, None: the
+        trainer's."""
         try:
             manifest = self._commit(partial(finalize, beside=beside), fmt, aux_files, beside)
         except BaseException as e:

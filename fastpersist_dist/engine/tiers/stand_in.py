@@ -1,14 +1,6 @@
-"""A node's copy of a tiered checkpoint standing in for its persistent directory in megatron-core's own calls.
-
-megatron-core's ``save()`` looks into its ``checkpoint_dir`` on rank 0 before
-any strategy runs (0.19: an S3 LIST on ``msc://``) and writes ``metadata.json``
-there when the save is finalized: given the persistent tier, a persistent tier
-that cannot be reached fails the save before a tiered save could go on without
-it. An integration that drives megatron's ``save()`` (the Megatron-LM hook)
-gives it the node's copy of the checkpoint instead, registered here; the
-strategy saves to the persistent directory it stands for, and writes
-``metadata.json`` there itself with the local commit, or its drain once the tier
-answers (``save.py``).
+"""A node's copy of a tiered checkpoint standing in for its persistent directory in megatron-core's own calls:
+its ``save()`` lists ``checkpoint_dir`` and writes ``metadata.json`` there, which fails while the persistent tier
+is down. An integration gives megatron the node's copy, registered here; the strategy maps it back.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""How far a tiered checkpoint got, as its persistent tier records it, and the API to ask or wait for it.
-
-The persistent directory's tiers manifest holds the state (``local``, then
-``replicated``, then ``durable``; ``format/tiers.py``). Only rank 0 writes it,
-from whichever thread gets there (the save, the replication, the drain):
-:func:`advance` never moves a state back and never touches a manifest of
-another save. Beside it: the index of a checkpoint not durable yet
-(``PENDING_DIR``, so that a node with an empty local tier can load), and one
-marker per data file already copied and checked there.
+"""How far a tiered checkpoint got, as its persistent directory's manifest records it (``local``, ``replicated``,
+``durable``), written by rank 0 only and never backwards; the markers beside it; the API to ask or wait.
 """
 
 from __future__ import annotations
@@ -35,9 +28,8 @@ _advancing = threading.Lock()
 
 
 def pauses(longest: float) -> Iterator[float]:
-    """The pauses of a wait between its looks: short at first, since what it waits for (the other ranks'
-    copies, the commit) mostly ends soon after the wait starts, then doubling up to ``longest``, so a long
-    wait looks rarely."""
+    """The pauses of a wait between its looks: short at first (what it waits for mostly ends soon), then doubling
+    up to ``longest``."""
     pause = longest * FIRST_POLL_FRACTION
     while True:
         yield pause
@@ -45,8 +37,7 @@ def pauses(longest: float) -> Iterator[float]:
 
 
 def poll_pauses(checkpoint_dir: str) -> Iterator[float]:
-    """:func:`pauses` of a wait looking at ``checkpoint_dir``: up to ``POLL_S``, or ``POLL_OBJECT_STORE_S`` on an
-    object store, where each look is a request."""
+    """:func:`pauses` of a wait looking at ``checkpoint_dir`` (longer on an object store: each look a request)."""
     return pauses(POLL_OBJECT_STORE_S if is_object_store(checkpoint_dir) else POLL_S)
 
 
@@ -57,11 +48,8 @@ def read_manifest(where: PersistentDir) -> Optional[TierManifest]:
 
 
 def advance(manifest: TierManifest, state: str) -> bool:
-    """Record ``state`` for ``manifest``'s checkpoint in its persistent directory (rank 0); whether it did.
-
-    Not where a newer save took the directory over, nor backwards (a
-    replication finishing after the drain leaves it durable).
-    """
+    """Record ``state`` for ``manifest``'s checkpoint in its persistent directory (rank 0); whether it did: not
+    where a newer save took the directory over, nor backwards."""
     home = persistent_dir(manifest.checkpoint_dir)
     with _advancing:
         current = read_manifest(home)
@@ -152,13 +140,8 @@ def check_current(home: PersistentDir, manifest: TierManifest, who: str) -> None
 
 def checkpoint_state(checkpoint_dir: str) -> Optional[str]:
     """``"local"``, ``"replicated"`` or ``"durable"`` for a tiered checkpoint; ``"durable"`` for one saved
-    straight to ``checkpoint_dir`` and committed; None where nothing is committed there (yet).
-
-    A manifest that says durable is checked against the index and DCP
-    ``.metadata`` committed beside it (:func:`check_current`): where another
-    save replaced them, ``CorruptCheckpointError`` says which files to remove,
-    as a load would, rather than "durable" for a checkpoint no load takes.
-    """
+    straight to ``checkpoint_dir`` and committed; None where nothing is committed there (yet). A manifest that
+    says durable is checked as a load would (:func:`check_current`)."""
     home = persistent_dir(str(checkpoint_dir))
     manifest = read_manifest(home)
     if manifest is not None:
@@ -169,11 +152,8 @@ def checkpoint_state(checkpoint_dir: str) -> Optional[str]:
 
 
 def wait_durable(checkpoint_dir: str, timeout: Optional[float] = None) -> bool:
-    """Wait until ``checkpoint_dir`` is durable (at most ``timeout`` seconds); whether it is.
-
-    A persistent tier that cannot be reached for a while (an object store
-    restarting) is waited for too, logged; a damaged manifest raises.
-    """
+    """Wait until ``checkpoint_dir`` is durable (at most ``timeout`` seconds); whether it is. A persistent tier
+    out of reach for a while is waited for too, logged; a damaged manifest raises."""
     end = None if timeout is None else time.monotonic() + timeout
     waits = poll_pauses(str(checkpoint_dir))
     while True:

@@ -1,10 +1,5 @@
-"""Which ranks share a node (and its local tier), which failure domain each node is in, and the process group
-replicas travel over.
-
-"Node" is torchrun's (``GROUP_RANK``: ``torchrun --nnodes N --node-rank n``),
-else the machine. A node's failure domain (what may fail together with it: a
-rack, a power feed, a switch) comes from ``FASTPERSIST_FAILURE_DOMAIN`` on its
-ranks; without it every node is a domain of its own.
+"""Nodes (torchrun's ``GROUP_RANK``, else the machine), their failure domains (``FASTPERSIST_FAILURE_DOMAIN``),
+and the process groups and store the background work uses.
 """
 
 from __future__ import annotations
@@ -116,10 +111,8 @@ class LocalTierViews:
 
 
 def check_node_local(local_dir: str, topo: Topology) -> None:
-    """Collective on first use in a process (per world size and ``local_dir``): each node's view of
-    ``local_dir`` (made on every node before). Raises ``ValueError`` on every rank alike where two nodes see
-    one directory (their first ranks write the same index files into it, and a replica would be kept beside
-    its original); rank 0 warns where they may."""
+    """Collective on first use in a process (per world size and ``local_dir``): raises ``ValueError`` on every
+    rank alike where two nodes see one directory ``local_dir``; rank 0 warns where they may."""
     key = (dist.get_world_size(), local_dir)
     if key in _node_local.get():
         return
@@ -148,16 +141,9 @@ _groups: PerProcess[dict[int, dist.ProcessGroup]] = PerProcess(dict)
 
 
 def replication_group() -> dist.ProcessGroup:
-    """Collective on first use in a process (per world size): a gloo group of every rank for the replicas.
-
-    Its own group, so that the background transfers never interleave with the
-    training's collectives (which may run on NCCL meanwhile), on host memory.
-    Made beside torch's registry of groups, not through ``new_group``: a
-    training script that ends with ``destroy_process_group()`` while the last
-    checkpoint's replicas are still queued (each process waits for them at
-    exit) would otherwise take it away from under them. Its ranks are the
-    world's; :func:`release_replication_groups` lets it go.
-    """
+    """Collective on first use in a process (per world size): a gloo group of every rank for the replicas, beside
+    the training's collectives, made outside torch's registry of groups so that a script's
+    ``destroy_process_group()`` leaves it to the replicas still queued; :func:`release_replication_groups`."""
     known = _groups.get()
     world = dist.get_world_size()
     if world not in known:

@@ -9,7 +9,6 @@ from typing import Any, Optional
 import torch
 
 from ...storage.mounts import describe_filesystem
-from ...storage.persistent import is_object_store
 from .baselines import SHIM_NOTE
 from .loop_checkpointers import WHAT, LoopConfig
 from .runner import GiB
@@ -147,7 +146,7 @@ def format_loop_table(rep: dict) -> str:
                     f"after it" if r.get("replicated_s") is not None else "")
         lines.append(f"{r['name']}: local commit {r['durable_s']:.2f} s after the call{replicas}, durable on the "
                      f"persistent tier {r['persisted_s']:.2f} s after it (as its manifest records){versus}; the drain "
-                     + _drain_said(rep))
+                     "copied each file after the local commit")
         if r.get("restart"):
             s = r["restart"]
             lines.append(f"{r['name']}: restart (last repetition's synchronous save, page cache dropped, median of "
@@ -178,9 +177,3 @@ def _loaded_bound_said(restart: dict) -> str:
     return (f"; {seconds / restart['from_local_s']:.2f}x that one reading its share {dp} times over, "
             f"{seconds:.2f} s: the bytes each rank loads at DP={dp}")
 
-
-def _drain_said(rep: dict) -> str:
-    """When the report's tiered saves' copies to the persistent tier started."""
-    if rep["persistent"] is not None and is_object_store(rep["persistent"]):
-        return "uploaded each file after the local commit"
-    return "started once each file was written"
