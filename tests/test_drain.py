@@ -28,11 +28,11 @@ from megatron.core import dist_checkpointing
 from fastpersist_dist import (FastPersistLoadStrategy, FastPersistSaveStrategy, checkpoint_state, wait_copies,
                               wait_durable)
 from fastpersist_dist.format.checksum import digest_bytes
-from fastpersist_dist.engine.tiers.drain import STALE_COPY_S, _committed_index, _remove_stale_files
+from fastpersist_dist.engine.tiers.drain import _committed_index, _remove_stale
 from fastpersist_dist.engine.tiers.state import (POLL_OBJECT_STORE_S, POLL_S, drained_marker, failed_marker,
                                                  poll_pauses)
 from fastpersist_dist.format.records import INDEX_FILE, is_data_file
-from fastpersist_dist.format.tiers import LOCAL, TierManifest
+from fastpersist_dist.format.tiers import LOCAL, TIERS_FILE, TierManifest
 from fastpersist_dist.storage.files import TMP_SUFFIX
 from fastpersist_dist.storage.persistent import PosixDir
 from fastpersist_dist.util.errors import FastPersistError
@@ -52,27 +52,24 @@ def _manifest(home: str, checkpoint_id: str) -> TierManifest:
                         index_xxh3_64="0" * 16, state=LOCAL, created=time.time())
 
 
-def test_rank_0_clears_an_earlier_checkpoint_and_keeps_what_this_one_is_writing(tmp_path):
+def test_rank_0_clears_what_an_earlier_checkpoint_left_before_any_rank_copies(tmp_path):
+    """Before its word to the other ranks no copy of this checkpoint is under way: every temporary file and
+    marker there is an earlier save's; data files this checkpoint rewrites stay until replaced."""
     home = str(tmp_path)
     now, before = _manifest(home, "a" * 32), _manifest(home, "b" * 32)
-    ours = [
-        "__0_0.distcp", f"__1_0.distcp.{os.getpid()}{TMP_SUFFIX}",  # a data file copied, one being copied
-        drained_marker(now, "__0_0.distcp"),  # rank 0's marker, and rank 1's being written (atomic_write's temp)
-        drained_marker(now, "__1_0.distcp") + TMP_SUFFIX, failed_marker(now, "__1_0.distcp"), INDEX_FILE,
-    ]
-    stale = ["__2_0.distcp", f"__2_0.distcp.123{TMP_SUFFIX}", drained_marker(before, "__0_0.distcp"),
-             drained_marker(before, "__1_0.distcp") + TMP_SUFFIX, f"common.pt{TMP_SUFFIX}"]
-    # Copies of this checkpoint's files that an earlier save into the directory left when it died, last written
-    # long before this one's call.
-    dead = [f"__0_0.distcp.123{TMP_SUFFIX}", f"__1_0.distcp.456{TMP_SUFFIX}"]
-    others = ["common.pt", "metadata.json"]
-    for name in ours + stale + dead + others:
-        open(os.path.join(home, name), "wb").close()
-    for name in dead:
-        old = now.created - STALE_COPY_S - 60
-        os.utime(os.path.join(home, name), (old, old))
-    _remove_stale_files(PosixDir(home), now)
-    assert sorted(os.listdir(home)) == sorted(ours + others)
+    with open(os.path.join(home, TIERS_FILE), "wb") as f:
+        f.write(now.to_json_bytes())
+    kept = ["__0_0.distcp", "__1_0.distcp", INDEX_FILE, "common.pt", "metadata.json", TIERS_FILE]
+    stale = ["__2_0.distcp", f"__2_0.distcp.123{TMP_SUFFIX}", f"__0_0.distcp.456{TMP_SUFFIX}",
+             drained_marker(before, "__0_0.distcp"), drained_marker(before, "__1_0.distcp") + TMP_SUFFIX,
+             failed_marker(before, "__1_0.distcp"), f"common.pt{TMP_SUFFIX}"]
+    for name in kept + stale:
+        if name != TIERS_FILE:
+            open(os.path.join(home, name), "wb").close()
+    _remove_stale(PosixDir(home), now)
+    assert sorted(os.listdir(home)) == sorted(kept)
+    _remove_stale(PosixDir(home), before)  # a newer save took the directory over: nothing of it goes
+    assert sorted(os.listdir(home)) == sorted(kept)
 
 
 @pytest.mark.parametrize("where, longest", [("/shared/ckpt", POLL_S), ("msc://s3/ckpt", POLL_OBJECT_STORE_S)])

@@ -39,9 +39,6 @@ T = TypeVar("T")
 FIRST_PAUSE_S = 1.0
 LONGEST_PAUSE_S = 30.0
 COUNT_POLL_S = 0.2  # the longest pause of a drain's wait between its looks at the process group's store
-# A copy under a temporary name last written this long before a checkpoint's local commit is not one of that
-# checkpoint's (its copies are written after it): an earlier save's that died, which rank 0 removes.
-STALE_COPY_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -93,8 +90,6 @@ def _copy_and_mark(job: Drain, m: TierManifest, home: PersistentDir, who: str) -
     try:
         if retrying(lambda: superseded(m), job.retry_s, f"{who}: reading the state of {m.checkpoint_dir}"):
             return None
-        if job.rank == 0:
-            _remove_stale(home, m)
         if size is not None:  # a rank with nothing to write has no data file
             src, dst = os.path.join(job.local, job.data_file), home.where(job.data_file)
             spans = block_spans([r for r in index.records if r.file == job.data_file], index.checksum_block_bytes,
@@ -132,6 +127,8 @@ def _published(job: Drain, m: TierManifest, who: str) -> bool:
         logger.error("fastpersist: %s: %s stays in the local tiers: %s", who, m.checkpoint_dir, e)
         done = False
     if m.persistent:
+        if done:
+            _remove_stale(persistent_dir(job.checkpoint_dir), m)
         try:
             job.store.set(_key(m, "published"), b"1" if done else b"0")
         except RuntimeError as e:
@@ -260,37 +257,14 @@ def retrying(step: Callable[[], T], retry_s: float, what: str) -> T:
 
 
 def _remove_stale(home: PersistentDir, m: TierManifest) -> None:
-    """The persistent directory's files of an earlier checkpoint there that this one does not rewrite (as far
-    as the directory can be reached: what stays is removed by the next save)."""
+    """Rank 0, before any rank copies a file of ``m`` (each waits for its word): the files an earlier checkpoint
+    left in the persistent directory that this one does not rewrite, its copies under temporary names and its
+    markers among them (as far as the directory can be reached: what stays is removed by the next save)."""
+    keep = set(m.files) | set(m.index_files)
     try:
-        _remove_stale_files(home, m)
+        if not superseded(m):
+            home.remove_all([name for name in home.names() if name not in keep and (
+                is_data_file(name) or name.endswith(TMP_SUFFIX) or name.startswith(DRAINED_PREFIX))])
     except FastPersistError as e:
         logger.warning("fastpersist: rank 0: files of an earlier checkpoint in %s could not all be removed: %s",
                        home.url, e)
-
-
-def _remove_stale_files(home: PersistentDir, m: TierManifest) -> None:
-    keep = set(m.files) | set(m.index_files)
-    ours = f"{DRAINED_PREFIX}{m.checkpoint_id}."  # this checkpoint's markers, other ranks' among them
-    stale = []
-    for name in home.names():
-        if name in keep or name.startswith(ours):
-            continue
-        if (name.endswith(TMP_SUFFIX) and name[: -len(TMP_SUFFIX)].rsplit(".", 1)[0] in keep
-                and not _written_long_before(home, name, m.created)):
-            continue  # a copy of this checkpoint under way
-        if is_data_file(name) or name.endswith(TMP_SUFFIX) or name.startswith(DRAINED_PREFIX):
-            stale.append(name)
-    home.remove_all(stale)
-
-
-def _written_long_before(home: PersistentDir, name: str, created: float) -> bool:
-    """Whether the temporary copy ``name`` was last written ``STALE_COPY_S`` or more before the local commit at
-    ``created``: left by an earlier save into the directory that died (this save's copies are written after its
-    local commit), not one of this checkpoint's. An object store has no temporary names."""
-    if home.local_path is None:
-        return False
-    try:
-        return os.stat(os.path.join(home.local_path, name)).st_mtime < created - STALE_COPY_S
-    except FileNotFoundError:  # put in place or removed meanwhile
-        return False
