@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import textwrap
 import time
 import uuid
@@ -24,9 +25,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
 
-from fastpersist_dist import (FastPersistLoadStrategy, FastPersistSaveStrategy, checkpoint_state, wait_copies,
-                              wait_durable)
+from fastpersist_dist import (FastPersistLoadStrategy, FastPersistSaveStrategy, TierConfig, checkpoint_state,
+                              wait_copies, wait_durable)
 from fastpersist_dist.format.checksum import digest_bytes
 from fastpersist_dist.engine.tiers.drain import _committed_index, _remove_stale
 from fastpersist_dist.engine.tiers.state import (POLL_OBJECT_STORE_S, POLL_S, drained_marker, failed_marker,
@@ -40,7 +42,8 @@ from fastpersist_dist.util.events import COMMITTED_LOCALLY, DURABLE, WAITING_FOR
 from fastpersist_dist.tools.ranks import run_ranks
 from fastpersist_dist.tools.verify import verify_checkpoint
 
-from .helpers import empty_like_request, hold_drains, logged, run_one_rank_script
+from .faults import SMALL, fault_state, run_faulty
+from .helpers import empty_like_request, global_tensor, hold_drains, load, logged, run_one_rank_script
 from .tiers_driver import state
 
 pytestmark = pytest.mark.engine
@@ -304,3 +307,34 @@ def test_the_drain_commits_only_the_index_its_local_commit_wrote(tmp_path):
     index.unlink()
     with pytest.raises(FastPersistError, match="cannot read this node's copy of its index"):
         _committed_index(ours, str(tmp_path))
+
+
+def _peer_gone_before_its_copy(rank: int, world: int, root: str) -> dict:
+    """Rank 1's drain held back, its process killed once the save is committed locally."""
+    if rank == 1:
+        hold_drains(root, rank, world)
+    ckpt = f"{root}/ckpt"
+    os.makedirs(ckpt, exist_ok=True)
+    tiers = TierConfig(f"{root}/local", retry_s=0)  # a silent peer is given up after the least silence
+    dist_checkpointing.save(fault_state("w", SMALL, rank, world, 1), ckpt,
+                            sharded_strategy=FastPersistSaveStrategy(tiers=tiers))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"copies_done": wait_copies(), "state": checkpoint_state(ckpt)}
+
+
+def test_a_rank_gone_during_the_drain_leaves_the_checkpoint_local_and_the_survivors_go_on(tmp_path):
+    """Rank 0 copies its file, then waits for a rank whose process died before its copy: once that rank showed no
+    sign of life for the silence, rank 0's drain gives the checkpoint up, local, and its process goes on; the
+    checkpoint loads from the local tier."""
+    root = str(tmp_path)
+    outcomes = run_faulty(2, _peer_gone_before_its_copy, root)
+    assert outcomes[1].kind == "killed", outcomes[1]
+    assert outcomes[0].kind == "ok" and outcomes[0].value == {"copies_done": True, "state": LOCAL}, outcomes[0]
+    assert run_ranks(1, _loads_as_saved, f"{root}/ckpt") == [True]
+
+
+def _loads_as_saved(rank: int, world: int, ckpt: str) -> bool:
+    want = global_tensor("w", SMALL, salt=1)
+    got = load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(want), replica_id=rank)}, ckpt)
+    return bool(torch.equal(got["w"], want))

@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # Threads started ahead (:func:`keep_helpers`), by a process that will need them at its exit: one for a copy's
-# read-ahead, one for a replication's sends, and the files of a commit written at once beside them.
-HELPERS_AHEAD = 4
+# read-ahead, one for a replication's sends, one for a drain's beat, and the files of a commit written at once
+# beside them.
+HELPERS_AHEAD = 5
 
 
 class Beside(Generic[T]):

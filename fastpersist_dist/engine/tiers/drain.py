@@ -7,7 +7,9 @@ counts itself done in the default group's store; rank 0 waits for that count,
 lists the directory once and commits the index, then records ``durable``. A
 copy failing for a reason other than the bytes is tried again until
 ``retry_s``; one that fails for good leaves a failure marker, and the
-checkpoint stays in the local tiers.
+checkpoint stays in the local tiers. A wait for another rank (rank 0's word,
+the ranks' counts) ends when that rank shows no sign of life for ``retry_s``
+(a process that died): each drain beats in the store while it works.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 
@@ -28,6 +32,7 @@ from ...format.tiers import DRAINED_PREFIX, DURABLE, TierManifest
 from ...storage.spans import block_spans
 from ...storage.files import TMP_SUFFIX
 from ...storage.persistent import PersistentDir, persistent_dir
+from ...util.beside import Beside
 from ...util.errors import CorruptCheckpointError, FastPersistError
 from ...util.events import COPIED, DURABLE as DURABLE_EVENT, RETRYING, event
 from ..index_reader import read_index
@@ -39,6 +44,9 @@ T = TypeVar("T")
 FIRST_PAUSE_S = 1.0
 LONGEST_PAUSE_S = 30.0
 COUNT_POLL_S = 0.2  # the longest pause of a drain's wait between its looks at the process group's store
+BEATS_PER_SILENCE = 8  # a live drain beats this often within the silence after which a wait gives it up
+LEAST_SILENCE_S = 10.0  # ... at least this long (retry_s may be 0), whatever the store's latency under load
+RANK_0_BEAT = "rank0/beat"  # rank 0's drain beats here while it works on any checkpoint
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,11 @@ def drain(job: Drain) -> None:
     except Exception as e:  # noqa: BLE001 - the save failed: its finalize reported it on every rank
         logger.debug("fastpersist: %s: %s was not committed, nothing to drain: %s", who, job.checkpoint_dir, e)
         return
+    with _beating(job, RANK_0_BEAT if job.rank == 0 else _key(m, "beat")):
+        _drain_committed(job, m, who)
+
+
+def _drain_committed(job: Drain, m: TierManifest, who: str) -> None:
     # Rank 0 publishes what its save could not write on the persistent tier, even where the checkpoint is kept
     # local (persistent=False, or the drain's backlog full); only a checkpoint to be drained is copied.
     published = _published(job, m, who) if job.rank == 0 else m.persistent and _await_published(job, m, who)
@@ -80,6 +93,32 @@ def drain(job: Drain) -> None:
             _commit(home, m, sizes, job, start)
         except FastPersistError as e:
             logger.error("fastpersist: rank 0: %s stays in the local tiers (not durable): %s", m.checkpoint_dir, e)
+
+
+def _silence(job: Drain) -> float:
+    """How long a wait for another rank's drain goes on without a sign of it (a beat, a count) before it gives that
+    rank up as dead."""
+    return max(job.retry_s, LEAST_SILENCE_S)
+
+
+@contextmanager
+def _beating(job: Drain, key: str) -> Iterator[None]:
+    """Add to ``key`` in the store now and then while the block runs: the waits for this rank see it alive."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(_silence(job) / BEATS_PER_SILENCE):
+            try:
+                job.store.add(key, 1)
+            except RuntimeError:  # the store's server is gone: the waits on it fail too
+                return
+
+    beats = Beside(beat, "fastpersist-drain-beat")  # a kept thread: a drain also runs while the process exits
+    try:
+        yield
+    finally:
+        stop.set()
+        beats.join()
 
 
 def _copy_and_mark(job: Drain, m: TierManifest, home: PersistentDir, who: str) -> dict[str, int] | None:
@@ -141,20 +180,34 @@ def _await_published(job: Drain, m: TierManifest, who: str) -> bool:
     """Another rank: whether rank 0's drain wrote ``m``'s local commit on the persistent tier, once it says."""
     key = _key(m, "published")
     try:
-        _store_wait(lambda: job.store.check([key]))
-        return job.store.get(key) == b"1"
+        if _store_wait(job, lambda: job.store.check([key]), lambda: job.store.add(RANK_0_BEAT, 0)):
+            return job.store.get(key) == b"1"
+        why = f"rank 0's drain showed no sign of life for {_silence(job):.0f} s (its process died?)"
     except RuntimeError as e:
-        logger.error("fastpersist: %s: cannot learn whether %s is published on the persistent tier (%s); not "
-                     "copying it there", who, m.checkpoint_dir, e)
-        return False
+        why = str(e)
+    logger.error("fastpersist: %s: cannot learn whether %s is published on the persistent tier (%s); not copying it "
+                 "there", who, m.checkpoint_dir, why)
+    return False
 
 
-def _store_wait(done: Callable[[], bool]) -> None:
-    """Return once ``done()``, a look at the process group's store, holds; looks after each of the pauses."""
+def _store_wait(job: Drain, done: Callable[[], bool], progress: Callable[[], Any]) -> bool:
+    """Look at ``done()`` (the process group's store) after each pause: True once it holds; False once
+    ``progress()``, the signs of life of the ranks waited for, stayed the same for :func:`_silence`."""
+    silence = _silence(job)
+    seen, since = progress(), time.monotonic()
+    looked = since
     for pause in pauses(COUNT_POLL_S):
         if done():
-            return
+            return True
+        now = time.monotonic()
+        if now - looked >= silence / BEATS_PER_SILENCE:
+            looked, signs = now, progress()
+            if signs != seen:
+                seen, since = signs, now
+            elif now - since >= silence:
+                return False
         time.sleep(pause)
+    return False  # pauses() never ends
 
 
 def _count_done(job: Drain, m: TierManifest, who: str) -> None:
@@ -168,13 +221,17 @@ def _count_done(job: Drain, m: TierManifest, who: str) -> None:
 
 def _await_every_rank(job: Drain, m: TierManifest) -> None:
     """Rank 0: return once every rank counted its part of ``m``'s drain done (looks at the store only)."""
-    key = _key(m, "done")
+    key, beat = _key(m, "done"), _key(m, "beat")
     try:
-        _store_wait(lambda: job.store.add(key, 0) >= job.world)
+        over = _store_wait(job, lambda: job.store.add(key, 0) >= job.world,
+                           lambda: (job.store.add(key, 0), job.store.add(beat, 0)))
     except RuntimeError as e:
         raise FastPersistError(f"cannot learn from the process group's store whether every rank's copy is over: "
                                f"{e}") from e
-    for done_with in (key, _key(m, "published")):  # every rank has read both
+    if not over:
+        raise FastPersistError(f"{job.world - job.store.add(key, 0)} of {job.world} ranks did not count their copies "
+                               f"done and showed no sign of life for {_silence(job):.0f} s (their processes died?)")
+    for done_with in (key, beat, _key(m, "published")):  # every rank has read them
         try:
             job.store.delete_key(done_with)
         except RuntimeError as e:
