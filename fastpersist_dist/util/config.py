@@ -180,7 +180,8 @@ class TierConfig:
         copied, kept as ``keep_local`` says even though not durable.
     retry_s: how long a copy to the persistent tier that fails (the store
         unreachable, the filesystem full) is tried again before the checkpoint
-        is left in the local tiers, reported.
+        is left in the local tiers, reported; also how long (at least 10 s) a
+        drain waits for a rank that shows no sign of life (its process died).
     local_only_under: checkpoints saved under this directory (or URL) are
         local only, as with ``persistent=False``; the others are copied to the
         persistent tier. Megatron-LM's non-persistent checkpoints go there
