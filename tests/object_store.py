@@ -25,6 +25,7 @@ HOST = "127.0.0.1"
 ACCESS_KEY, SECRET_KEY, BUCKET = "fastpersist", "fastpersist-secret", "checkpoints"
 PORT_TAKEN = "Port allocation failed"  # what weed says, exiting, when a port it was given is taken
 PORT_TRIES = 5
+READY_PROBE = ".ready-probe"  # written, read back and removed by each start: the server serves objects
 PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
          "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
 
@@ -67,7 +68,7 @@ class SeaweedS3:
         for attempt in range(1, PORT_TRIES + 1):
             self._launch()
             end = time.monotonic() + timeout
-            while not self._bucket_ready():
+            while not (self._bucket_ready() and self._serves_objects()):
                 if self._proc.poll() is not None or time.monotonic() > end:
                     said = self._said_since_launch()
                     if self._proc.poll() is not None and PORT_TAKEN in said and attempt < PORT_TRIES:
@@ -107,6 +108,23 @@ class SeaweedS3:
         except OSError:
             return False
         return True
+
+    def _serves_objects(self) -> bool:
+        """Whether an object can be written and read back: the S3 port answers before the volume server behind it
+        does (reads of stored objects then fail with a 500)."""
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+                              aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+                              config=Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=5))
+        try:
+            client.put_object(Bucket=BUCKET, Key=READY_PROBE, Body=b"ready")
+            ok = client.get_object(Bucket=BUCKET, Key=READY_PROBE)["Body"].read() == b"ready"
+            client.delete_object(Bucket=BUCKET, Key=READY_PROBE)
+            return ok
+        except Exception:  # noqa: BLE001 - botocore's errors alike: not serving yet
+            return False
 
     def stop(self) -> None:
         """Kill the server at once (a crash: nothing flushed on the way out)."""
