@@ -31,15 +31,17 @@ from .helpers import flip_bit
 @pytest.mark.slow
 def test_each_node_keeps_its_share_and_loads_it_from_its_own_copy(cluster):
     """Two async saves: each local once its call returns (durable already where the drain was as quick), then
-    durable, each rank's data file copied to the persistent directory by its own drain. The second's node copies are removed, so it loads from the persistent tier alone; the first's
-    persistent data files are removed, so it loads only from each node's own copy."""
+    durable, each rank's data file copied to the persistent directory by its own drain. The second's node copies
+    are removed, so it loads from the persistent tier alone; the first's persistent data files are removed, so it
+    loads only from each node's own copy."""
     saved = save_on(cluster, {"name": "s1", "step": 1, "async": True, "wait_durable": True},
                   {"name": "s2", "step": 2, "async": True, "wait_durable": True})
     first = [r["saves"][0] for r in saved]
     assert all(save["state_after_save"] in (LOCAL, DURABLE) for save in first), first
     assert all(save["durable"] for r in saved for save in r["saves"]), saved
     for r in saved:
-        assert len(r["drained"]) == 2 and not r["warnings"], r
+        mine = [os.path.join(os.path.abspath(ckpt_of(cluster, name)), data_file(r["rank"])) for name in ("s1", "s2")]
+        assert r["drained"] == mine and not r["warnings"], r
     for node in (0, 1):  # s2 can only load from the persistent tier
         shutil.rmtree(node_copy(cluster, node, "s2"))
     for node in (0, 1):  # the node's own rank's data file and the whole index
